@@ -1,0 +1,53 @@
+"""vescale.dtensor: the distributed tensor layer of vescale.
+
+Re-exports torch's DTensor building blocks and opens DTensor to placements added by
+plugins: a placement registered through the ``vescale`` entry point works with
+``distribute_tensor``, ``DTensor.from_local``, ``to_local``, ``full_tensor`` and
+``redistribute`` exactly like torch's built-ins, forward and backward.
+"""
+
+from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
+from torch.distributed.tensor import DTensor, Partial, Placement, Replicate, Shard
+
+from vescale.dtensor.__about__ import __version__
+from vescale.dtensor._dispatch import install_patches as _install_patches
+from vescale.dtensor._redistribute import RedistributePlan, RedistributeStep, StepContext, get_plan
+from vescale.dtensor.api import distribute_tensor, from_local, redistribute
+from vescale.dtensor.placement_types import OP_FAMILIES, PluginPlacement, is_plugin_placement
+from vescale.dtensor.plugin import (
+    get_plugin_manager,
+    hookimpl,
+    hookspec,
+    placement_registry,
+    register_plugin,
+    unregister_plugin,
+)
+
+_install_patches()
+
+__all__ = [
+    "__version__",
+    "DeviceMesh",
+    "init_device_mesh",
+    "DTensor",
+    "Placement",
+    "Shard",
+    "Replicate",
+    "Partial",
+    "PluginPlacement",
+    "OP_FAMILIES",
+    "is_plugin_placement",
+    "distribute_tensor",
+    "redistribute",
+    "from_local",
+    "placement_registry",
+    "get_plugin_manager",
+    "register_plugin",
+    "unregister_plugin",
+    "hookimpl",
+    "hookspec",
+    "RedistributeStep",
+    "StepContext",
+    "RedistributePlan",
+    "get_plan",
+]

@@ -1,0 +1,459 @@
+"""DTensors that carry plugin placements.
+
+Only a DTensor with at least one :class:`PluginPlacement` is a ``PluginDTensor``;
+built-in-only DTensors stay torch's own objects on torch's own (C++) dispatch path.
+A ``PluginDTensor`` runs the op families its placements declare locally, and for
+every other op converts its plugin-placed operands to the placements' declared
+fallbacks and defers to torch's DTensor dispatch.
+"""
+
+from __future__ import annotations
+
+import functools
+from collections.abc import Sequence
+from typing import Any
+
+import torch
+from torch.distributed.device_mesh import DeviceMesh
+from torch.distributed.tensor import DTensor, Partial, Placement, Replicate
+from torch.utils._pytree import tree_flatten, tree_map, tree_unflatten
+
+from vescale.dtensor import _compat
+from vescale.dtensor._redistribute import get_plan, is_sharding, localize
+from vescale.dtensor.placement_types import PluginPlacement
+
+__all__ = ["PluginDTensor", "has_plugin_placement", "make_dtensor"]
+
+aten = torch.ops.aten
+
+
+def has_plugin_placement(placements: Sequence[Placement]) -> bool:
+    for p in placements:
+        if isinstance(p, PluginPlacement):
+            return True
+    return False
+
+
+def _contiguous_stride(shape: Sequence[int]) -> tuple[int, ...]:
+    stride = []
+    acc = 1
+    for s in reversed(shape):
+        stride.append(acc)
+        acc *= max(int(s), 1)
+    return tuple(reversed(stride))
+
+
+def make_dtensor(
+    local: torch.Tensor,
+    mesh: DeviceMesh,
+    placements: Sequence[Placement],
+    shape: Sequence[int],
+    stride: Sequence[int] | None = None,
+    *,
+    requires_grad: bool = False,
+) -> DTensor:
+    """Wrap ``local`` as a DTensor (no autograd): ``PluginDTensor`` iff a plugin placement is present."""
+    if stride is None:
+        stride = _contiguous_stride(shape)
+    spec = _compat.make_spec(mesh, placements, shape, stride, local.dtype)
+    cls = PluginDTensor if has_plugin_placement(placements) else DTensor
+    return _compat.new_dtensor(cls, local, spec, requires_grad)
+
+
+def _wrap_like(local: torch.Tensor, spec: Any, shape: Sequence[int] | None = None) -> DTensor:
+    shape = spec.shape if shape is None else shape
+    new_spec = _compat.make_spec(
+        spec.mesh, spec.placements, shape, spec.tensor_meta.stride, local.dtype
+    )
+    return _compat.new_dtensor(PluginDTensor, local, new_spec, False)
+
+
+# ------------------------------------------------------------------ op families
+_LOCAL_SAME_SPEC = {
+    aten.detach.default,
+    aten.alias.default,
+    aten.clone.default,
+    aten.copy_.default,
+    aten.zero_.default,
+    aten.fill_.Scalar,
+    aten.zeros_like.default,
+    aten.ones_like.default,
+    aten.empty_like.default,
+    aten.full_like.default,
+    aten._to_copy.default,
+}
+_FULL_REDUCTIONS = {aten.sum.default, aten.mean.default}
+
+
+@functools.lru_cache(maxsize=None)
+def _family(func: torch._ops.OpOverload) -> str | None:
+    name = func._schema.name
+    if name.startswith("aten::_foreach_"):
+        return "foreach"
+    if func in _FULL_REDUCTIONS:
+        return "full_reduction"
+    if func in _LOCAL_SAME_SPEC or torch.Tag.pointwise in func.tags:
+        if any(a.name == "out" for a in func._schema.arguments if a.is_out):
+            return None
+        return "pointwise"
+    return None
+
+
+@functools.lru_cache(maxsize=None)
+def _mutated_arg_indices(func: torch._ops.OpOverload) -> tuple[int, ...]:
+    return tuple(
+        i
+        for i, a in enumerate(func._schema.arguments)
+        if a.alias_info is not None and a.alias_info.is_write
+    )
+
+
+def _same_layout(a: Any, b: Any) -> bool:
+    return a.mesh == b.mesh and a.placements == b.placements and a.shape == b.shape
+
+
+def _allows(spec: Any, family: str) -> bool:
+    for p in spec.placements:
+        if isinstance(p, PluginPlacement) and family not in p.LOCAL_OP_FAMILIES:
+            return False
+    return True
+
+
+# ------------------------------------------------------------------ local execution
+def _try_local(func, family: str, args: tuple, kwargs: dict) -> tuple[bool, Any]:
+    flat, treedef = tree_flatten((args, kwargs))
+    if family == "foreach":
+        return _try_local_foreach(func, args, kwargs)
+    spec = None
+    for a in flat:
+        if isinstance(a, DTensor):
+            if spec is None:
+                spec = a._spec
+            elif not _same_layout(spec, a._spec):
+                return False, None
+        elif isinstance(a, torch.Tensor) and a.dim() != 0:
+            return False, None
+    if spec is None or not _allows(spec, family):
+        return False, None
+    if family == "full_reduction":
+        return _full_reduction(func, spec, flat, treedef)
+    local_flat = [a._local_tensor if isinstance(a, DTensor) else a for a in flat]
+    largs, lkwargs = tree_unflatten(local_flat, treedef)
+    out = func(*largs, **lkwargs)
+    mutated = _mutated_arg_indices(func)
+    if mutated and isinstance(out, torch.Tensor):
+        return True, args[mutated[0]]
+    return True, tree_map(
+        lambda t: _wrap_like(t, spec) if isinstance(t, torch.Tensor) else t, out
+    )
+
+
+def _try_local_foreach(func, args: tuple, kwargs: dict) -> tuple[bool, Any]:
+    lists = [a for a in args if isinstance(a, (list, tuple))]
+    if not lists:
+        return False, None
+    n = len(lists[0])
+    specs: list[Any] = [None] * n
+    for lst in lists:
+        if len(lst) != n:
+            return False, None
+        for i, t in enumerate(lst):
+            if isinstance(t, DTensor):
+                if specs[i] is None:
+                    specs[i] = t._spec
+                elif not _same_layout(specs[i], t._spec):
+                    return False, None
+            elif isinstance(t, torch.Tensor) and t.dim() != 0:
+                return False, None
+    for a in list(args) + list(kwargs.values()):
+        if isinstance(a, DTensor) or (isinstance(a, torch.Tensor) and a.dim() != 0):
+            return False, None  # a lone tensor operand broadcast over the list
+    if any(s is None for s in specs):
+        return False, None
+    for s in specs:
+        if has_plugin_placement(s.placements) and not _allows(s, "foreach"):
+            return False, None
+
+    def unwrap(a):
+        if isinstance(a, (list, tuple)):
+            return [t._local_tensor if isinstance(t, DTensor) else t for t in a]
+        return a
+
+    out = func(*[unwrap(a) for a in args], **kwargs)
+    if out is None:
+        return True, None
+    wrapped = []
+    for i, t in enumerate(out):
+        s = specs[i]
+        if has_plugin_placement(s.placements):
+            wrapped.append(_wrap_like(t, s))
+        else:
+            new_spec = _compat.make_spec(s.mesh, s.placements, s.shape, s.tensor_meta.stride, t.dtype)
+            wrapped.append(_compat.new_dtensor(DTensor, t, new_spec, False))
+    return True, wrapped
+
+
+def _full_reduction(func, spec: Any, flat: list, treedef) -> tuple[bool, Any]:
+    out_placements: list[Placement] = []
+    for p in spec.placements:
+        if is_sharding(p):
+            out_placements.append(Partial("sum"))
+        elif isinstance(p, Partial):
+            if p.reduce_op != "sum":
+                return False, None
+            out_placements.append(p)
+        else:
+            out_placements.append(p)
+    args, kwargs = tree_unflatten(flat, treedef)
+    if any(v is not None for v in kwargs.values() if not isinstance(v, torch.dtype)):
+        return False, None
+    x = args[0]
+    local = x._local_tensor
+    dtype = kwargs.get("dtype")
+    if func is aten.mean.default:
+        if not (dtype or local.dtype).is_floating_point and not (dtype or local.dtype).is_complex:
+            return False, None
+        numel = 1
+        for s in spec.shape:
+            numel *= int(s)
+        res = aten.sum.default(local, dtype=dtype) / numel
+    else:
+        res = func(local, dtype=dtype) if dtype is not None else func(local)
+    return True, make_dtensor(res, spec.mesh, out_placements, ())
+
+
+# ------------------------------------------------------------------ fallback
+def _to_fallback(t: DTensor) -> DTensor:
+    spec = t._spec
+    per_dim, _ = localize(spec.mesh, spec.placements, spec.shape)
+    target = [
+        p.fallback_placement(per_dim[i][1]) if isinstance(p, PluginPlacement) else p
+        for i, p in enumerate(spec.placements)
+    ]
+    if has_plugin_placement(target):
+        raise TypeError(f"fallback placements must be built-in placements, got {target}")
+    plan = get_plan(spec.mesh, spec.placements, target, spec.shape)
+    local = plan.run(t._local_tensor)
+    return make_dtensor(local, spec.mesh, target, spec.shape, spec.tensor_meta.stride)
+
+
+def _from_fallback_into(orig: PluginDTensor, fb: DTensor) -> None:
+    spec = orig._spec
+    plan = get_plan(spec.mesh, fb._spec.placements, spec.placements, spec.shape)
+    orig._local_tensor.copy_(plan.run(fb._local_tensor))
+
+
+def _fallback(func, args: tuple, kwargs: dict) -> Any:
+    converted: dict[int, DTensor] = {}
+
+    def conv(a):
+        if isinstance(a, PluginDTensor):
+            fb = converted.get(id(a))
+            if fb is None:
+                fb = _to_fallback(a)
+                converted[id(a)] = fb
+            return fb
+        return a
+
+    new_args = tree_map(conv, args)
+    new_kwargs = tree_map(conv, kwargs)
+    out = func(*new_args, **new_kwargs)
+    mutated = _mutated_arg_indices(func)
+    if mutated:
+        result = out
+        for i in mutated:
+            if i < len(args) and isinstance(args[i], PluginDTensor):
+                _from_fallback_into(args[i], new_args[i])
+                if isinstance(out, torch.Tensor) and out is new_args[i]:
+                    result = args[i]
+        return result
+    return out
+
+
+# ------------------------------------------------------------------ the subclass
+class PluginDTensor(DTensor):
+    """A DTensor with at least one plugin placement (private; users see a ``DTensor``)."""
+
+    @classmethod
+    def __torch_dispatch__(cls, func, types, args=(), kwargs=None):  # type: ignore[override]
+        kwargs = kwargs or {}
+        family = _family(func)
+        if family is not None:
+            done, out = _try_local(func, family, args, kwargs)
+            if done:
+                return out
+        return _fallback(func, args, kwargs)
+
+    def __repr__(self) -> str:  # type: ignore[override]
+        return (
+            f"DTensor(local_tensor={self._local_tensor}, device_mesh={self._spec.mesh}, "
+            f"placements={self._spec.placements})"
+        )
+
+    def to_local(self, *, grad_placements: Sequence[Placement] | None = None) -> torch.Tensor:
+        if not torch.is_grad_enabled():
+            return self._local_tensor
+        return _ToLocal.apply(self)
+
+    def redistribute(  # type: ignore[override]
+        self,
+        device_mesh: DeviceMesh | None = None,
+        placements: Sequence[Placement] | None = None,
+        *,
+        async_op: bool = False,
+        forward_dtype: torch.dtype | None = None,
+        backward_dtype: torch.dtype | None = None,
+    ) -> DTensor:
+        return redistribute_dtensor(self, device_mesh, placements, async_op=async_op)
+
+    def full_tensor(self, *, grad_placements: Sequence[Placement] | None = None) -> torch.Tensor:
+        return self.redistribute(placements=[Replicate()] * self._spec.mesh.ndim).to_local()
+
+    def __create_write_items__(self, fqn: str, object: Any):
+        raise NotImplementedError(
+            f"{fqn}: saving DTensors with plugin placements {self._spec.placements} through "
+            "torch.distributed.checkpoint needs the placement's chunk metadata; use "
+            "vescale.checkpoint"
+        )
+
+    __create_chunk_list__ = __create_write_items__
+
+
+# ------------------------------------------------------------------ autograd functions
+class _ToLocal(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, dt: PluginDTensor) -> torch.Tensor:  # type: ignore[override]
+        ctx.spec = dt._spec
+        return dt._local_tensor.view_as(dt._local_tensor)
+
+    @staticmethod
+    def backward(ctx, grad: torch.Tensor):  # type: ignore[override]
+        spec = ctx.spec
+        return _wrap_like(grad.contiguous(), spec)
+
+
+class _FromLocal(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, local: torch.Tensor, spec: Any) -> DTensor:  # type: ignore[override]
+        ctx.spec = spec
+        return _compat.new_dtensor(PluginDTensor, local.view_as(local), spec, False)
+
+    @staticmethod
+    def backward(ctx, grad: DTensor):  # type: ignore[override]
+        spec = ctx.spec
+        if isinstance(grad, DTensor):
+            if grad._spec.placements != spec.placements:
+                plan = get_plan(spec.mesh, grad._spec.placements, spec.placements, spec.shape)
+                return plan.run(grad._local_tensor), None
+            return grad._local_tensor, None
+        return grad, None
+
+
+class _Redistribute(torch.autograd.Function):
+    @staticmethod
+    def forward(  # type: ignore[override]
+        ctx, dt: DTensor, mesh: DeviceMesh, placements: tuple, async_op: bool
+    ) -> DTensor:
+        spec = dt._spec
+        ctx.src_spec = spec
+        plan = get_plan(mesh, spec.placements, placements, spec.shape)
+        local = plan.run(dt._local_tensor, async_op=async_op)
+        if not plan.steps:
+            local = local.view_as(local)
+        return make_dtensor(local, mesh, placements, spec.shape, spec.tensor_meta.stride)
+
+    @staticmethod
+    def backward(ctx, grad: DTensor):  # type: ignore[override]
+        src = ctx.src_spec
+        target = tuple(Replicate() if p.is_partial() else p for p in src.placements)
+        gspec = grad._spec
+        plan = get_plan(src.mesh, gspec.placements, target, src.shape)
+        local = plan.run(grad._local_tensor)
+        return make_dtensor(local, src.mesh, target, src.shape, src.tensor_meta.stride), None, None, None
+
+
+def redistribute_dtensor(
+    dt: DTensor,
+    device_mesh: DeviceMesh | None,
+    placements: Sequence[Placement] | None,
+    *,
+    async_op: bool = False,
+) -> DTensor:
+    """Redistribute a DTensor when either side carries a plugin placement."""
+    mesh = device_mesh or dt.device_mesh
+    if mesh != dt.device_mesh:
+        raise ValueError(
+            f"redistribute keeps the mesh: the DTensor lives on {dt.device_mesh}, got {mesh}"
+        )
+    if placements is None:
+        raise ValueError("redistribute needs placements (one per mesh dim)")
+    placements = tuple(placements)
+    for i, p in enumerate(placements):
+        if p.is_partial() and (i >= len(dt.placements) or dt.placements[i] != p):
+            raise ValueError(
+                f"cannot redistribute mesh dim {i} from {dt.placements[i] if i < len(dt.placements) else '?'} "
+                f"to {p}: Partial placements are produced by ops, not requested"
+            )
+    return _Redistribute.apply(dt, mesh, placements, async_op)
+
+
+def from_local_plugin(
+    local: torch.Tensor,
+    mesh: DeviceMesh,
+    placements: Sequence[Placement],
+    shape: Sequence[int],
+    stride: Sequence[int] | None,
+) -> DTensor:
+    placements = tuple(placements)
+    if len(placements) != mesh.ndim:
+        raise ValueError(
+            f"{len(placements)} placements {[str(p) for p in placements]} for a {mesh.ndim}-dim mesh"
+        )
+    _, expected = localize(mesh, placements, shape)
+    if tuple(local.shape) != tuple(expected):
+        raise ValueError(
+            f"local tensor of shape {tuple(local.shape)} does not match placements "
+            f"{[str(p) for p in placements]} of global shape {tuple(shape)} on this rank "
+            f"(expected local shape {tuple(expected)})"
+        )
+    stride = _contiguous_stride(shape) if stride is None else tuple(stride)
+    spec = _compat.make_spec(mesh, placements, shape, stride, local.dtype)
+    return _FromLocal.apply(local, spec)
+
+
+# ------------------------------------------------------------------ torch patches
+def _patched_redistribute(self, device_mesh=None, placements=None, *, async_op=False, **kw):
+    if placements is not None and has_plugin_placement(placements):
+        return redistribute_dtensor(self, device_mesh, placements, async_op=async_op)
+    return _compat.ORIGINAL_REDISTRIBUTE(
+        self, device_mesh, placements, async_op=async_op, **kw
+    )
+
+
+def _patched_from_local(
+    local_tensor, device_mesh=None, placements=None, *, run_check=False, shape=None, stride=None,
+    grad_placements=None,
+):
+    if placements is not None and has_plugin_placement(placements):
+        from vescale.dtensor.api import from_local
+
+        return from_local(
+            local_tensor, device_mesh, placements, run_check=run_check, shape=shape, stride=stride
+        )
+    return _compat.ORIGINAL_FROM_LOCAL(
+        local_tensor, device_mesh, placements, run_check=run_check, shape=shape, stride=stride,
+        grad_placements=grad_placements,
+    )
+
+
+_patched_redistribute.__doc__ = _compat.ORIGINAL_REDISTRIBUTE.__doc__
+_patched_from_local.__doc__ = _compat.ORIGINAL_FROM_LOCAL.__doc__
+
+
+def install_patches() -> None:
+    """Route torch's ``DTensor.redistribute``/``from_local`` to vescale for plugin placements.
+
+    Built-in-only calls go straight to torch's original implementation.
+    """
+    DTensor.redistribute = _patched_redistribute  # type: ignore[method-assign]
+    DTensor.from_local = staticmethod(_patched_from_local)  # type: ignore[method-assign]

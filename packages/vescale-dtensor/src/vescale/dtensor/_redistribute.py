@@ -1,0 +1,360 @@
+"""Redistribution planning and execution for DTensors that carry plugin placements.
+
+A plan turns a source placement list into a destination list as a sequence of
+one-mesh-dim steps. Steps come from the ``vescale_redistribute_step`` hook (asked
+once per placement pair and cached); plans are cached per (mesh, source, destination,
+global shape). Executing a plan runs the cached step callables, never a hook.
+
+Mesh dims apply left to right: the *logical tensor* of mesh dim ``i`` is the global
+tensor after the placements of mesh dims ``0..i-1``. Changing the placement of mesh
+dim ``i`` is a single collective on that mesh dim only when no inner mesh dim shards
+the tensor, so the planner (1) reduces ``Partial`` dims that must change, (2) gathers
+inner sharded dims from the innermost out, (3) runs the direct step of the outermost
+dim whose sharding changes (or routes it through ``Replicate()``), and (4) re-shards
+outward-in by local selection, which moves no data.
+"""
+
+from __future__ import annotations
+
+import threading
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+
+import torch
+from torch.distributed.device_mesh import DeviceMesh
+from torch.distributed.tensor import Partial, Placement, Replicate, Shard
+
+from vescale.dtensor import _compat
+from vescale.dtensor.placement_types import PluginPlacement
+
+__all__ = ["StepContext", "RedistributeStep", "RedistributePlan", "get_plan", "step_for"]
+
+
+@dataclass(frozen=True)
+class StepContext:
+    """Everything a redistribute step needs besides the local tensor.
+
+    Attributes:
+        mesh: The device mesh.
+        mesh_dim: The mesh dim this step acts on.
+        src: Placement on that mesh dim before the step (``Shard`` dims are
+            already mapped to dims of the logical tensor).
+        dst: Placement after the step (mapped likewise).
+        logical_shape: Shape of the logical tensor of this mesh dim.
+        num_ranks: Size of the mesh dim.
+        rank: This process's coordinate on the mesh dim.
+    """
+
+    mesh: DeviceMesh
+    mesh_dim: int
+    src: Placement
+    dst: Placement
+    logical_shape: tuple[int, ...]
+    num_ranks: int
+    rank: int
+
+
+#: A step moves a local tensor from ``ctx.src`` to ``ctx.dst`` on one mesh dim.
+RedistributeStep = Callable[[torch.Tensor, StepContext], torch.Tensor]
+
+
+def is_sharding(p: Placement) -> bool:
+    """True for placements that cut the tensor (``Shard`` and plugin placements)."""
+    return p.is_shard() or isinstance(p, PluginPlacement)
+
+
+# ---------------------------------------------------------------------- step lookup
+_lock = threading.Lock()
+_step_cache: dict[tuple[Placement, Placement], RedistributeStep | None] = {}
+_plan_cache: dict[tuple, RedistributePlan] = {}
+
+
+def _clear_caches() -> None:
+    with _lock:
+        _step_cache.clear()
+        _plan_cache.clear()
+
+
+def step_for(src: Placement, dst: Placement) -> RedistributeStep | None:
+    """The cached ``vescale_redistribute_step`` answer for one placement pair."""
+    key = (src, dst)
+    try:
+        return _step_cache[key]
+    except KeyError:
+        pass
+    from vescale.dtensor.plugin.manager import get_plugin_manager
+
+    step = get_plugin_manager().hook.vescale_redistribute_step(src=src, dst=dst)
+    with _lock:
+        _step_cache[key] = step
+    return step
+
+
+# ---------------------------------------------------------------------- geometry
+def localize(
+    mesh: DeviceMesh, placements: Sequence[Placement], global_shape: Sequence[int]
+) -> tuple[list[tuple[Placement, tuple[int, ...]]], tuple[int, ...]]:
+    """Per mesh dim: the effective placement and the logical shape it distributes.
+
+    Returns:
+        ``(per_dim, local_shape)`` where ``per_dim[i] = (effective placement, logical
+        shape of mesh dim i)`` and ``local_shape`` is this rank's local tensor shape.
+
+    Raises:
+        ValueError: A placement cannot distribute the shape it meets.
+    """
+    coord = mesh.get_coordinate()
+    if coord is None:
+        raise ValueError(f"this rank is not part of mesh {mesh}")
+    shape = tuple(int(s) for s in global_shape)
+    dim_map: list[int | None] = list(range(len(shape)))
+    out: list[tuple[Placement, tuple[int, ...]]] = []
+    for i, p in enumerate(placements):
+        n = mesh.size(i)
+        if isinstance(p, PluginPlacement):
+            p.check_shape(shape, n)
+            out.append((p, shape))
+            new_shape = tuple(int(s) for s in p.local_shape(shape, n, coord[i]))
+            dim_map = [None if d is None else p.local_dim(d, len(shape)) for d in dim_map]
+            shape = new_shape
+        elif p.is_shard():
+            if type(p) is not Shard:
+                raise NotImplementedError(
+                    f"{p} cannot be combined with plugin placements (only plain Shard)"
+                )
+            gdim = p.dim
+            if not -len(dim_map) <= gdim < len(dim_map):
+                raise ValueError(
+                    f"{p} is out of range for a tensor of {len(global_shape)} dims "
+                    f"(shape {tuple(global_shape)})"
+                )
+            d = dim_map[gdim]
+            if d is None:
+                raise ValueError(
+                    f"{p} on mesh dim {i} shards a tensor dim that an outer plugin placement "
+                    f"({[str(q) for q in placements[:i]]}) has already cut through"
+                )
+            eff = Shard(d)
+            out.append((eff, shape))
+            size, _ = _compat.shard_size_and_offset(shape[d], n, coord[i])
+            shape = shape[:d] + (size,) + shape[d + 1 :]
+        else:
+            out.append((p, shape))
+    return out, shape
+
+
+# ---------------------------------------------------------------------- plans
+@dataclass(frozen=True)
+class _PlannedStep:
+    fn: RedistributeStep
+    ctx: StepContext
+
+
+class RedistributePlan:
+    """A cached sequence of one-mesh-dim steps from one layout to another."""
+
+    __slots__ = ("steps", "src", "dst")
+
+    def __init__(
+        self, src: tuple[Placement, ...], dst: tuple[Placement, ...], steps: list[_PlannedStep]
+    ):
+        self.src = src
+        self.dst = dst
+        self.steps = steps
+
+    def run(self, local: torch.Tensor, *, async_op: bool = False) -> torch.Tensor:
+        """Execute the plan on ``local``; never calls a hook."""
+        n = len(self.steps)
+        for k, s in enumerate(self.steps):
+            if k:
+                local = _compat.wait_tensor(local)
+            local = s.fn(local, s.ctx)
+        if n and not async_op:
+            local = _compat.wait_tensor(local)
+        return local
+
+    def describe(self) -> list[str]:
+        """Human-readable steps, e.g. ``['mesh dim 1: RS(0;1,1) -> Replicate()']``."""
+        return [f"mesh dim {s.ctx.mesh_dim}: {s.ctx.src} -> {s.ctx.dst}" for s in self.steps]
+
+    def __repr__(self) -> str:
+        return f"RedistributePlan({list(self.src)} -> {list(self.dst)}: {self.describe()})"
+
+
+def _normalize(placements: Sequence[Placement], ndim: int) -> tuple[Placement, ...]:
+    out = []
+    for p in placements:
+        if type(p) is Shard and p.dim < 0:
+            p = Shard(p.dim + ndim)
+        out.append(p)
+    return tuple(out)
+
+
+def get_plan(
+    mesh: DeviceMesh,
+    src: Sequence[Placement],
+    dst: Sequence[Placement],
+    global_shape: Sequence[int],
+) -> RedistributePlan:
+    """Return the (cached) plan that moves a tensor from ``src`` to ``dst``.
+
+    Raises:
+        ValueError: Placement lists do not match the mesh, or a shape does not fit.
+        NotImplementedError: No step exists for a pair, even through ``Replicate()``.
+    """
+    ndim = len(global_shape)
+    src_t = _normalize(src, ndim)
+    dst_t = _normalize(dst, ndim)
+    key = (mesh, src_t, dst_t, tuple(global_shape))
+    plan = _plan_cache.get(key)
+    if plan is None:
+        plan = _build_plan(mesh, src_t, dst_t, tuple(int(s) for s in global_shape))
+        with _lock:
+            _plan_cache[key] = plan
+    return plan
+
+
+def _build_plan(
+    mesh: DeviceMesh,
+    src: tuple[Placement, ...],
+    dst: tuple[Placement, ...],
+    global_shape: tuple[int, ...],
+) -> RedistributePlan:
+    k = mesh.ndim
+    for name, pl in (("source", src), ("destination", dst)):
+        if len(pl) != k:
+            raise ValueError(
+                f"{name} placements {[str(p) for p in pl]} have {len(pl)} entries; "
+                f"the mesh has {k} dims (one placement per mesh dim expected)"
+            )
+    # Validate both layouts up front (clear errors before any communication).
+    localize(mesh, src, global_shape)
+    localize(mesh, dst, global_shape)
+
+    coord = mesh.get_coordinate()
+    cur = list(src)
+    steps: list[_PlannedStep] = []
+
+    def add(i: int, a: Placement, b: Placement) -> None:
+        per_dim, _ = localize(mesh, cur, global_shape)
+        a_eff, logical = per_dim[i]
+        b_eff = _effective(b, cur, i, per_dim)
+        fn = step_for(a_eff, b_eff)
+        if fn is None:
+            raise NotImplementedError(
+                f"no redistribute step from {a} to {b} on mesh dim {i} (also not through "
+                "Replicate()); a plugin must answer vescale_redistribute_step for this pair"
+            )
+        ctx = StepContext(mesh, i, a_eff, b_eff, logical, mesh.size(i), coord[i])
+        steps.append(_PlannedStep(fn, ctx))
+        cur[i] = b
+
+    def add_routed(i: int, a: Placement, b: Placement) -> None:
+        per_dim, _ = localize(mesh, cur, global_shape)
+        a_eff = per_dim[i][0]
+        b_eff = _effective(b, cur, i, per_dim)
+        if step_for(a_eff, b_eff) is not None:
+            add(i, a, b)
+        else:
+            add(i, a, Replicate())  # the Replicate() -> b step follows in phase B
+
+    shape_changing = [i for i in range(k) if cur[i] != dst[i] and (is_sharding(cur[i]) or is_sharding(dst[i]))]
+    f = min(shape_changing) if shape_changing else k
+    # (1) value-only reductions that must happen anyway (commute with any sharding).
+    for i in range(k):
+        if i != f and cur[i].is_partial() and cur[i] != dst[i]:
+            add(i, cur[i], Replicate())
+    if f < k:
+        # (2) unshard inner dims, innermost first, so each gather is a single collective.
+        for i in reversed(range(f + 1, k)):
+            if is_sharding(cur[i]):
+                add(i, cur[i], Replicate())
+        # (3) the outermost changing dim: direct step or through Replicate().
+        add_routed(f, cur[f], dst[f])
+    # (4) re-shard / partition outward-in from Replicate(): local, no communication.
+    for i in range(k):
+        if cur[i] != dst[i]:
+            if not isinstance(cur[i], Replicate):
+                add(i, cur[i], Replicate())
+            add(i, cur[i], dst[i])
+    return RedistributePlan(src, dst, steps)
+
+
+def _effective(
+    b: Placement, cur: list[Placement], i: int, per_dim: list[tuple[Placement, tuple[int, ...]]]
+) -> Placement:
+    """Map a destination ``Shard(d)`` on mesh dim ``i`` into the logical tensor's dims."""
+    if type(b) is not Shard:
+        return b
+    # Mesh dims < i are unchanged by the step, so their dim mapping applies.
+    return _map_shard(b, cur[:i], per_dim, i)
+
+
+def _map_shard(
+    b: Shard, prefix: list[Placement], per_dim: list[tuple[Placement, tuple[int, ...]]], i: int
+) -> Shard:
+    ndim = len(per_dim[0][1]) if per_dim else 0
+    dim_map: list[int | None] = list(range(ndim))
+    for j, p in enumerate(prefix):
+        if isinstance(p, PluginPlacement):
+            logical = per_dim[j][1]
+            dim_map = [None if d is None else p.local_dim(d, len(logical)) for d in dim_map]
+    d = dim_map[b.dim]
+    if d is None:
+        raise ValueError(f"{b} on mesh dim {i} shards a tensor dim an outer plugin placement cut")
+    return Shard(d)
+
+
+# ---------------------------------------------------------------------- built-in steps
+def replicate_to_partial(local: torch.Tensor, ctx: StepContext) -> torch.Tensor:
+    """``Replicate() -> Partial(op)``: an exact partition of the replicated value."""
+    op = ctx.dst.reduce_op  # type: ignore[attr-defined]
+    if op == "sum":
+        return local.clone() if ctx.rank == 0 else torch.zeros_like(local)
+    if op in ("avg", "max", "min"):
+        return local.clone()
+    raise ValueError(f"Replicate() -> {ctx.dst} is not supported")
+
+
+def builtin_step(src: Placement, dst: Placement) -> RedistributeStep | None:
+    """Steps between torch's placements and between a plugin placement and ``Replicate()``."""
+    if isinstance(src, PluginPlacement):
+        if isinstance(dst, Replicate):
+            return lambda t, c: c.src.unshard(t, c.mesh, c.mesh_dim, c.logical_shape)
+        return None
+    if isinstance(dst, PluginPlacement):
+        if isinstance(src, Replicate):
+            return lambda t, c: c.dst.shard(t, c.num_ranks, c.rank)
+        return None
+    if type(src) is Shard:
+        if isinstance(dst, Replicate):
+            return lambda t, c: _compat.shard_to_replicate(
+                t, c.mesh, c.mesh_dim, c.src.dim, c.logical_shape
+            )
+        if type(dst) is Shard:
+            return lambda t, c: _compat.shard_to_shard(
+                t, c.mesh, c.mesh_dim, c.src.dim, c.dst.dim, c.logical_shape
+            )
+        return None
+    if isinstance(src, Replicate):
+        if type(dst) is Shard:
+            return lambda t, c: _compat.replicate_to_shard(t, c.mesh, c.mesh_dim, c.dst.dim, c.rank)
+        if isinstance(dst, Partial):
+            return replicate_to_partial
+        return None
+    if isinstance(src, Partial):
+        if isinstance(dst, Replicate):
+            return lambda t, c: _compat.partial_to_replicate(t, c.mesh, c.mesh_dim, c.src)
+        if type(dst) is Shard:
+            return lambda t, c: _compat.partial_to_shard(t, c.mesh, c.mesh_dim, c.src, c.dst.dim)
+        return None
+    return None
+
+
+def _register_invalidation() -> None:
+    from vescale.dtensor.plugin.manager import add_cache_invalidation_callback
+
+    add_cache_invalidation_callback(_clear_caches)
+
+
+_register_invalidation()

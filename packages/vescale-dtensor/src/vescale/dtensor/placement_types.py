@@ -1,0 +1,143 @@
+"""Placements: torch's built-ins, re-exported, and the base class for plugin placements."""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING, ClassVar
+
+import torch
+from torch.distributed.tensor import Partial, Placement, Replicate, Shard
+
+if TYPE_CHECKING:
+    from torch.distributed.device_mesh import DeviceMesh
+
+__all__ = [
+    "Placement",
+    "Shard",
+    "Replicate",
+    "Partial",
+    "PluginPlacement",
+    "OP_FAMILIES",
+    "is_plugin_placement",
+]
+
+#: Op families a plugin placement may declare as running locally on its shards.
+#:
+#: - ``"pointwise"``: element-wise ops (``torch.Tag.pointwise``) whose DTensor operands
+#:   all have the same spec (mesh, placements, global shape); scalars and 0-dim plain
+#:   tensors may join. In-place and out-of-place.
+#: - ``"foreach"``: ``_foreach_*`` ops whose i-th DTensor operands share one spec.
+#: - ``"full_reduction"``: ``sum``/``mean`` over all elements; the result is ``Partial``
+#:   on the placement's mesh dim. Only valid when every element lives on exactly one rank.
+OP_FAMILIES = frozenset({"pointwise", "foreach", "full_reduction"})
+
+
+class PluginPlacement(Placement):
+    """Base class for placements contributed by plugins.
+
+    Subclass it as a ``@dataclass(frozen=True)`` (which gives ``__eq__`` and
+    ``__hash__``), give it a unique ``PLACEMENT_NAME`` and implement the geometry
+    below. Register the class through the ``vescale_register_placements`` hook.
+    Never subclass :class:`Shard` for a new placement: torch treats ``Shard``
+    subclasses as plain ``Shard``.
+
+    A plugin placement on mesh dim ``i`` distributes the *logical tensor* of that mesh
+    dim: the global tensor after the placements of mesh dims ``0..i-1`` were applied
+    (mesh dims apply left to right, as in torch).
+
+    Attributes:
+        PLACEMENT_NAME: Unique name used by checkpoints and configs.
+        LOCAL_OP_FAMILIES: Op families (see :data:`OP_FAMILIES`) that run on the local
+            shards without communication.
+    """
+
+    PLACEMENT_NAME: ClassVar[str]
+    LOCAL_OP_FAMILIES: ClassVar[frozenset[str]] = frozenset()
+
+    def __new__(cls, *args: object, **kwargs: object) -> PluginPlacement:
+        self = super().__new__(cls)
+        # The base is a pybind11 class: its holder must be initialised even though
+        # dataclass-generated __init__ methods never call super().__init__().
+        Placement.__init__(self)
+        return self
+
+    def __init_subclass__(cls, **kwargs: object) -> None:
+        super().__init_subclass__(**kwargs)
+        unknown = set(cls.LOCAL_OP_FAMILIES) - OP_FAMILIES
+        if unknown:
+            raise TypeError(
+                f"{cls.__qualname__}.LOCAL_OP_FAMILIES has unknown families {sorted(unknown)}; "
+                f"expected a subset of {sorted(OP_FAMILIES)}"
+            )
+
+    # ----------------------------------------------------------------- geometry
+    def check_shape(self, logical_shape: tuple[int, ...], num_ranks: int) -> None:
+        """Raise ``ValueError`` if this placement cannot distribute ``logical_shape``.
+
+        Args:
+            logical_shape: Shape of the logical tensor on this mesh dim.
+            num_ranks: Size of the mesh dim.
+        """
+
+    def local_shape(
+        self, logical_shape: tuple[int, ...], num_ranks: int, rank: int
+    ) -> tuple[int, ...]:
+        """Shape of the local tensor of ``rank`` (coordinate on this mesh dim)."""
+        raise NotImplementedError(f"{type(self).__qualname__} must implement local_shape")
+
+    def shard(self, tensor: torch.Tensor, num_ranks: int, rank: int) -> torch.Tensor:
+        """Select ``rank``'s local tensor from the full logical tensor (no communication).
+
+        This is the ``Replicate() -> self`` step. Return a tensor that does not alias
+        ``tensor`` (or ``tensor`` itself only if unchanged).
+        """
+        raise NotImplementedError(f"{type(self).__qualname__} must implement shard")
+
+    def unshard(
+        self,
+        local: torch.Tensor,
+        mesh: DeviceMesh,
+        mesh_dim: int,
+        logical_shape: tuple[int, ...],
+    ) -> torch.Tensor:
+        """Rebuild the full logical tensor on every rank of the mesh dim (a collective).
+
+        This is the ``self -> Replicate()`` step. Use functional collectives or
+        :mod:`vescale.dtensor.collectives` so that ``CommDebugMode`` sees the traffic.
+        """
+        raise NotImplementedError(f"{type(self).__qualname__} must implement unshard")
+
+    def logical_shape(self, local_shapes: list[tuple[int, ...]]) -> tuple[int, ...]:
+        """The logical shape, given every rank's local shape (in coordinate order).
+
+        Used by ``from_local`` without ``shape=``. Optional: without it, callers must
+        pass the global shape.
+        """
+        raise NotImplementedError(
+            f"{type(self).__qualname__} cannot infer the global shape from local shapes; "
+            "pass shape= to from_local"
+        )
+
+    def local_dim(self, dim: int, logical_ndim: int) -> int | None:
+        """Where dim ``dim`` of the logical tensor lives in the local tensor.
+
+        Used when a ``Shard(dim)`` on a later mesh dim acts on this placement's local
+        tensor. Return ``None`` if the dim was cut through (then such a ``Shard`` is an
+        error). The default is the identity: local tensors keep all dims.
+        """
+        return dim
+
+    # ----------------------------------------------------------------- op contract
+    def fallback_placement(self, logical_shape: tuple[int, ...]) -> Placement:
+        """Placement that operands are converted to for ops outside ``LOCAL_OP_FAMILIES``.
+
+        The default, ``Replicate()``, is always correct.
+        """
+        return Replicate()
+
+    def __str__(self) -> str:
+        return repr(self)
+
+
+def is_plugin_placement(p: Placement) -> bool:
+    """True if ``p`` is a plugin placement (not one of torch's)."""
+    return isinstance(p, PluginPlacement)
