@@ -1,0 +1,97 @@
+"""Direct redistribute steps between ``RaggedShard`` and range-like placements.
+
+``RaggedShard`` (any ``dims``) and ``Shard(0)`` both give every rank one contiguous
+range of the tensor's row-major storage. Moving between two such layouts only
+exchanges the overlapping ranges (one ``all_to_all_single`` with splits), and
+``Partial -> RaggedShard`` is one reduce-scatter, never an all-reduce plus a slice.
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+import torch.distributed._functional_collectives as funcol
+from torch.distributed.tensor import Partial, Placement, Shard
+
+from vescale.dtensor import StepContext
+from vescale.dtensor._compat import shard_size_and_offset
+from vescale.ragged._placement import RaggedShard
+
+
+def element_ranges(
+    p: Placement, logical_shape: tuple[int, ...], num_ranks: int
+) -> list[tuple[int, int]] | None:
+    """Every rank's ``[start, stop)`` in row-major element order, or None if not range-like."""
+    if isinstance(p, RaggedShard):
+        trailing = math.prod(logical_shape[len(p.dims) :])
+        return [(a * trailing, b * trailing) for a, b in p.ranges(logical_shape)]
+    if type(p) is Shard and p.dim == 0 and len(logical_shape) > 0:
+        row = math.prod(logical_shape[1:])
+        out = []
+        for r in range(num_ranks):
+            size, off = shard_size_and_offset(logical_shape[0], num_ranks, r)
+            out.append((off * row, (off + size) * row))
+        return out
+    return None
+
+
+def _overlap(a: tuple[int, int], b: tuple[int, int]) -> int:
+    return max(0, min(a[1], b[1]) - max(a[0], b[0]))
+
+
+def _local_shape(p: Placement, logical_shape: tuple[int, ...], n: int, rank: int):
+    if isinstance(p, RaggedShard):
+        return p.local_shape(logical_shape, n, rank)
+    size, _ = shard_size_and_offset(logical_shape[0], n, rank)
+    return (size, *logical_shape[1:])
+
+
+def range_exchange_step(local: torch.Tensor, ctx: StepContext) -> torch.Tensor:
+    """Move between two range-like layouts with one ``all_to_all_single``."""
+    n, r, shape = ctx.num_ranks, ctx.rank, ctx.logical_shape
+    src = element_ranges(ctx.src, shape, n)
+    dst = element_ranges(ctx.dst, shape, n)
+    assert src is not None and dst is not None
+    send = [_overlap(src[r], dst[q]) for q in range(n)]
+    recv = [_overlap(src[q], dst[r]) for q in range(n)]
+    flat = local.reshape(-1)
+    # My range is sorted and each destination's overlap is contiguous and in order.
+    out = funcol.all_to_all_single(
+        flat.contiguous(), output_split_sizes=recv, input_split_sizes=send, group=(ctx.mesh, ctx.mesh_dim)
+    )
+    out = funcol.wait_tensor(out)
+    return out.reshape(_local_shape(ctx.dst, shape, n, r))
+
+
+def reduce_scatter_step(local: torch.Tensor, ctx: StepContext) -> torch.Tensor:
+    """``Partial(sum|avg) -> RaggedShard``: one (padded) reduce-scatter."""
+    n, r, shape = ctx.num_ranks, ctx.rank, ctx.logical_shape
+    dst = element_ranges(ctx.dst, shape, n)
+    assert dst is not None
+    counts = [b - a for a, b in dst]
+    width = max(counts)
+    flat = local.reshape(-1)
+    if all(c == width for c in counts):
+        packed = flat.contiguous()
+    else:
+        packed = flat.new_zeros(n * width)
+        for q, (a, b) in enumerate(dst):
+            packed[q * width : q * width + (b - a)] = flat[a:b]
+    op = ctx.src.reduce_op  # type: ignore[attr-defined]
+    out = funcol.wait_tensor(
+        funcol.reduce_scatter_single(packed, op, scatter_dim=0, group=(ctx.mesh, ctx.mesh_dim))
+    )
+    return out[: counts[r]].reshape(_local_shape(ctx.dst, shape, n, r))
+
+
+def step_for(src: Placement, dst: Placement):
+    """Direct steps this package answers; ``None`` routes through ``Replicate()``."""
+    if isinstance(dst, RaggedShard):
+        if isinstance(src, Partial) and src.reduce_op in ("sum", "avg"):
+            return reduce_scatter_step
+        if isinstance(src, RaggedShard) or (type(src) is Shard and src.dim == 0):
+            return range_exchange_step
+    elif isinstance(src, RaggedShard) and type(dst) is Shard and dst.dim == 0:
+        return range_exchange_step
+    return None
