@@ -134,7 +134,9 @@ def check_torch_internals() -> list[str]:
             if missing:
                 problems.append(f"{name}: parameters {missing} missing (has {got})")
 
-    need(Shard, "_to_replicate_tensor", ["local_tensor", "mesh", "mesh_dim", "current_logical_shape"])
+    need(
+        Shard, "_to_replicate_tensor", ["local_tensor", "mesh", "mesh_dim", "current_logical_shape"]
+    )
     need(Shard, "_replicate_to_shard", ["local_tensor", "mesh", "mesh_dim", "shard_index"])
     need(
         Shard,

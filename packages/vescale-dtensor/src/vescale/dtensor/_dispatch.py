@@ -85,7 +85,7 @@ _LOCAL_SAME_SPEC = {
 _FULL_REDUCTIONS = {aten.sum.default, aten.mean.default}
 
 
-@functools.lru_cache(maxsize=None)
+@functools.cache
 def _family(func: torch._ops.OpOverload) -> str | None:
     name = func._schema.name
     if name.startswith("aten::_foreach_"):
@@ -99,7 +99,7 @@ def _family(func: torch._ops.OpOverload) -> str | None:
     return None
 
 
-@functools.lru_cache(maxsize=None)
+@functools.cache
 def _mutated_arg_indices(func: torch._ops.OpOverload) -> tuple[int, ...]:
     return tuple(
         i
@@ -143,9 +143,7 @@ def _try_local(func, family: str, args: tuple, kwargs: dict) -> tuple[bool, Any]
     mutated = _mutated_arg_indices(func)
     if mutated and isinstance(out, torch.Tensor):
         return True, args[mutated[0]]
-    return True, tree_map(
-        lambda t: _wrap_like(t, spec) if isinstance(t, torch.Tensor) else t, out
-    )
+    return True, tree_map(lambda t: _wrap_like(t, spec) if isinstance(t, torch.Tensor) else t, out)
 
 
 def _try_local_foreach(func, args: tuple, kwargs: dict) -> tuple[bool, Any]:
@@ -188,7 +186,9 @@ def _try_local_foreach(func, args: tuple, kwargs: dict) -> tuple[bool, Any]:
         if has_plugin_placement(s.placements):
             wrapped.append(_wrap_like(t, s))
         else:
-            new_spec = _compat.make_spec(s.mesh, s.placements, s.shape, s.tensor_meta.stride, t.dtype)
+            new_spec = _compat.make_spec(
+                s.mesh, s.placements, s.shape, s.tensor_meta.stride, t.dtype
+            )
             wrapped.append(_compat.new_dtensor(DTensor, t, new_spec, False))
     return True, wrapped
 
@@ -336,7 +336,7 @@ class _FromLocal(torch.autograd.Function):
     @staticmethod
     def forward(ctx, local: torch.Tensor, spec: Any) -> DTensor:  # type: ignore[override]
         ctx.spec = spec
-        return _compat.new_dtensor(PluginDTensor, local.view_as(local), spec, False)
+        return _compat.new_dtensor(PluginDTensor, local.detach(), spec, False)
 
     @staticmethod
     def backward(ctx, grad: DTensor):  # type: ignore[override]
@@ -369,7 +369,12 @@ class _Redistribute(torch.autograd.Function):
         gspec = grad._spec
         plan = get_plan(src.mesh, gspec.placements, target, src.shape)
         local = plan.run(grad._local_tensor)
-        return make_dtensor(local, src.mesh, target, src.shape, src.tensor_meta.stride), None, None, None
+        return (
+            make_dtensor(local, src.mesh, target, src.shape, src.tensor_meta.stride),
+            None,
+            None,
+            None,
+        )
 
 
 def redistribute_dtensor(
@@ -425,13 +430,17 @@ def from_local_plugin(
 def _patched_redistribute(self, device_mesh=None, placements=None, *, async_op=False, **kw):
     if placements is not None and has_plugin_placement(placements):
         return redistribute_dtensor(self, device_mesh, placements, async_op=async_op)
-    return _compat.ORIGINAL_REDISTRIBUTE(
-        self, device_mesh, placements, async_op=async_op, **kw
-    )
+    return _compat.ORIGINAL_REDISTRIBUTE(self, device_mesh, placements, async_op=async_op, **kw)
 
 
 def _patched_from_local(
-    local_tensor, device_mesh=None, placements=None, *, run_check=False, shape=None, stride=None,
+    local_tensor,
+    device_mesh=None,
+    placements=None,
+    *,
+    run_check=False,
+    shape=None,
+    stride=None,
     grad_placements=None,
 ):
     if placements is not None and has_plugin_placement(placements):
@@ -441,7 +450,12 @@ def _patched_from_local(
             local_tensor, device_mesh, placements, run_check=run_check, shape=shape, stride=stride
         )
     return _compat.ORIGINAL_FROM_LOCAL(
-        local_tensor, device_mesh, placements, run_check=run_check, shape=shape, stride=stride,
+        local_tensor,
+        device_mesh,
+        placements,
+        run_check=run_check,
+        shape=shape,
+        stride=stride,
         grad_placements=grad_placements,
     )
 

@@ -255,10 +255,26 @@ def _build_plan(
         b_eff = _effective(b, cur, i, per_dim)
         if step_for(a_eff, b_eff) is not None:
             add(i, a, b)
-        else:
-            add(i, a, Replicate())  # the Replicate() -> b step follows in phase B
+            return
+        missing = [
+            f"{x} -> {y}"
+            for x, y, xe, ye in (
+                (a, Replicate(), a_eff, Replicate()),
+                (Replicate(), b, Replicate(), b_eff),
+            )
+            if xe != ye and step_for(xe, ye) is None
+        ]
+        if missing:
+            raise NotImplementedError(
+                f"cannot redistribute mesh dim {i} from {a} to {b}: no direct step, and no "
+                f"route through Replicate() ({', '.join(missing)} missing); a plugin must "
+                "answer vescale_redistribute_step for this pair"
+            )
+        add(i, a, Replicate())  # the Replicate() -> b step follows in phase B
 
-    shape_changing = [i for i in range(k) if cur[i] != dst[i] and (is_sharding(cur[i]) or is_sharding(dst[i]))]
+    shape_changing = [
+        i for i in range(k) if cur[i] != dst[i] and (is_sharding(cur[i]) or is_sharding(dst[i]))
+    ]
     f = min(shape_changing) if shape_changing else k
     # (1) value-only reductions that must happen anyway (commute with any sharding).
     for i in range(k):
@@ -316,14 +332,18 @@ def replicate_to_partial(local: torch.Tensor, ctx: StepContext) -> torch.Tensor:
     raise ValueError(f"Replicate() -> {ctx.dst} is not supported")
 
 
+def _overrides(p: PluginPlacement, method: str) -> bool:
+    return getattr(type(p), method) is not getattr(PluginPlacement, method)
+
+
 def builtin_step(src: Placement, dst: Placement) -> RedistributeStep | None:
     """Steps between torch's placements and between a plugin placement and ``Replicate()``."""
     if isinstance(src, PluginPlacement):
-        if isinstance(dst, Replicate):
+        if isinstance(dst, Replicate) and _overrides(src, "unshard"):
             return lambda t, c: c.src.unshard(t, c.mesh, c.mesh_dim, c.logical_shape)
         return None
     if isinstance(dst, PluginPlacement):
-        if isinstance(src, Replicate):
+        if isinstance(src, Replicate) and _overrides(dst, "shard"):
             return lambda t, c: c.dst.shard(t, c.num_ranks, c.rank)
         return None
     if type(src) is Shard:

@@ -75,7 +75,11 @@ def distribute_tensor(
     if local.data_ptr() == full.data_ptr() and local.numel():
         local = local.clone()
     return make_dtensor(
-        local.contiguous(), device_mesh, placements, tensor.shape, requires_grad=tensor.requires_grad
+        local.contiguous(),
+        device_mesh,
+        placements,
+        tensor.shape,
+        requires_grad=tensor.requires_grad,
     )
 
 

@@ -58,7 +58,10 @@ def range_exchange_step(local: torch.Tensor, ctx: StepContext) -> torch.Tensor:
     flat = local.reshape(-1)
     # My range is sorted and each destination's overlap is contiguous and in order.
     out = funcol.all_to_all_single(
-        flat.contiguous(), output_split_sizes=recv, input_split_sizes=send, group=(ctx.mesh, ctx.mesh_dim)
+        flat.contiguous(),
+        output_split_sizes=recv,
+        input_split_sizes=send,
+        group=(ctx.mesh, ctx.mesh_dim),
     )
     out = funcol.wait_tensor(out)
     return out.reshape(_local_shape(ctx.dst, shape, n, r))
