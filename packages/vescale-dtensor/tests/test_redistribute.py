@@ -49,7 +49,8 @@ EXPECTED_1D = {
     # (src kind, dst kind): collectives on one mesh dim
     ("R", "S"): {},
     ("S", "R"): {"all_gather_into_tensor": 1},
-    ("S", "S"): {"all_to_all_single": 1},
+    # torch 2.13 falls back to all-gather + chunk for Shard -> Shard on CPU (no gloo alltoall)
+    ("S", "S"): {"all_gather_into_tensor": 1},
     ("P", "R"): {"all_reduce": 1},
     ("P", "S"): {"reduce_scatter_tensor": 1},
 }
@@ -141,20 +142,20 @@ def test_plans_are_cached_and_minimal():
         assert p1 is p2
         # inner Shard(1) must be gathered before the outer plugin dim can change
         assert p1.describe() == [
-            "mesh dim 1: Shard(dim=1) -> Replicate()",
-            "mesh dim 0: OwnerOnly(owner=0) -> Replicate()",
-            "mesh dim 1: Replicate() -> Shard(dim=1)",
+            "mesh dim 1: S(1) -> R",
+            "mesh dim 0: OwnerOnly(owner=0) -> R",
+            "mesh dim 1: R -> S(1)",
         ]
         # a value-only change (Partial -> Replicate) leaves other dims alone
         p3 = get_plan(mesh, [Partial(), OwnerOnly(1)], [Replicate(), OwnerOnly(1)], (8, 4))
-        assert p3.describe() == ["mesh dim 0: Partial(sum) -> Replicate()"]
+        assert p3.describe() == ["mesh dim 0: P(sum) -> R"]
         # Replicate -> plugin placement is local selection only
         x = torch.arange(32.0).reshape(8, 4)
+        rep = distribute_tensor(x, mesh, [Replicate(), Replicate()])
         with CommDebugMode() as cm:
-            distribute_tensor(x, mesh, [Replicate(), Replicate()]).redistribute(
-                mesh, [OwnerOnly(1), Shard(0)]
-            )
+            out = rep.redistribute(mesh, [OwnerOnly(1), Shard(0)])
         assert cm.get_total_counts() == 0
+        assert torch.equal(out.full_tensor(), x)
     finally:
         unregister_plugin(name="test-owner")
 

@@ -6,13 +6,18 @@ plugins: a placement registered through the ``vescale`` entry point works with
 ``redistribute`` exactly like torch's built-ins, forward and backward.
 """
 
-from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 from torch.distributed.tensor import DTensor, Partial, Placement, Replicate, Shard
 
 from vescale.dtensor.__about__ import __version__
 from vescale.dtensor._dispatch import install_patches as _install_patches
 from vescale.dtensor._redistribute import RedistributePlan, RedistributeStep, StepContext, get_plan
 from vescale.dtensor.api import distribute_tensor, from_local, redistribute
+from vescale.dtensor.device_mesh import (
+    DeviceMesh,
+    get_default_timeout,
+    init_device_mesh,
+    set_default_timeout,
+)
 from vescale.dtensor.placement_types import OP_FAMILIES, PluginPlacement, is_plugin_placement
 from vescale.dtensor.plugin import (
     get_plugin_manager,
@@ -29,6 +34,8 @@ __all__ = [
     "__version__",
     "DeviceMesh",
     "init_device_mesh",
+    "set_default_timeout",
+    "get_default_timeout",
     "DTensor",
     "Placement",
     "Shard",

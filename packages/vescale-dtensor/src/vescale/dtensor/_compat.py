@@ -28,6 +28,7 @@ __all__ = [
     "partial_to_shard",
     "shard_size_and_offset",
     "wait_tensor",
+    "norm_partial",
     "is_async_tensor",
     "ORIGINAL_REDISTRIBUTE",
     "ORIGINAL_FROM_LOCAL",
@@ -35,6 +36,14 @@ __all__ = [
 ]
 
 AsyncCollectiveTensor = funcol.AsyncCollectiveTensor
+
+
+def norm_partial(norm_type: float) -> Partial:
+    """The pending-reduction placement of a p-norm computed on shards (torch private)."""
+    from torch.distributed.tensor._ops._math_ops import _NormPartial
+
+    return _NormPartial(norm_type)
+
 
 # Captured before vescale patches them (see _dispatch.install_patches).
 ORIGINAL_REDISTRIBUTE = DTensor.redistribute
@@ -156,6 +165,12 @@ def check_torch_internals() -> list[str]:
         problems.append("torch.Tensor._dtensor__new__ missing (DTensor construction changed)")
     if "__torch_dispatch__" not in DTensor.__dict__:
         problems.append("DTensor.__torch_dispatch__ for subclasses is missing")
+    try:
+        p = norm_partial(3.0)
+        if not (p.is_partial() and p.norm_type == 3.0):
+            problems.append("_NormPartial changed (is_partial/norm_type)")
+    except Exception as exc:  # pragma: no cover - only on a torch change
+        problems.append(f"_NormPartial unavailable: {exc!r}")
     if not isinstance(Replicate(), torch._C._distributed.Placement):
         problems.append("placements are no longer torch._C._distributed.Placement")
     return problems

@@ -82,27 +82,34 @@ _LOCAL_SAME_SPEC = {
     aten.full_like.default,
     aten._to_copy.default,
 }
-_FULL_REDUCTIONS = {aten.sum.default, aten.mean.default}
+# Per-tensor element-wise ops over lists of tensors (optimizer kernels included).
+_FOREACH_PREFIXES = (
+    "aten::_foreach_",
+    "aten::_fused_adam",
+    "aten::_fused_sgd",
+    "aten::_fused_adagrad",
+)
+_FOREACH_REDUCTIONS = {"aten::_foreach_max"}
+_FULL_REDUCTIONS = {aten.sum.default, aten.mean.default, aten.linalg_vector_norm.default}
 
 
 @functools.cache
 def _family(func: torch._ops.OpOverload) -> str | None:
     name = func._schema.name
-    if name.startswith("aten::_foreach_"):
+    if name.startswith(_FOREACH_PREFIXES):
         return "foreach"
     if func in _FULL_REDUCTIONS:
         return "full_reduction"
     if func in _LOCAL_SAME_SPEC or torch.Tag.pointwise in func.tags:
-        if any(a.name == "out" for a in func._schema.arguments if a.is_out):
-            return None
         return "pointwise"
     return None
 
 
 @functools.cache
-def _mutated_arg_indices(func: torch._ops.OpOverload) -> tuple[int, ...]:
+def _mutated_args(func: torch._ops.OpOverload) -> tuple[tuple[int, str], ...]:
+    """``(position, name)`` of every argument the op writes to (``self_``, ``out=``...)."""
     return tuple(
-        i
+        (i, a.name)
         for i, a in enumerate(func._schema.arguments)
         if a.alias_info is not None and a.alias_info.is_write
     )
@@ -140,18 +147,21 @@ def _try_local(func, family: str, args: tuple, kwargs: dict) -> tuple[bool, Any]
     local_flat = [a._local_tensor if isinstance(a, DTensor) else a for a in flat]
     largs, lkwargs = tree_unflatten(local_flat, treedef)
     out = func(*largs, **lkwargs)
-    mutated = _mutated_arg_indices(func)
-    if mutated and isinstance(out, torch.Tensor):
-        return True, args[mutated[0]]
+    mutated = _mutated_args(func)
+    if mutated and isinstance(out, torch.Tensor):  # in-place or out=: return the written arg
+        i, name = mutated[0]
+        return True, args[i] if i < len(args) else kwargs[name]
     return True, tree_map(lambda t: _wrap_like(t, spec) if isinstance(t, torch.Tensor) else t, out)
 
 
 def _try_local_foreach(func, args: tuple, kwargs: dict) -> tuple[bool, Any]:
-    lists = [a for a in args if isinstance(a, (list, tuple))]
+    # empty lists (e.g. max_exp_avg_sqs without amsgrad) take no part
+    lists = [a for a in args if isinstance(a, (list, tuple)) and len(a)]
     if not lists:
         return False, None
     n = len(lists[0])
     specs: list[Any] = [None] * n
+    ref_shapes: list[tuple[int, ...]] = [()] * n
     for lst in lists:
         if len(lst) != n:
             return False, None
@@ -159,6 +169,7 @@ def _try_local_foreach(func, args: tuple, kwargs: dict) -> tuple[bool, Any]:
             if isinstance(t, DTensor):
                 if specs[i] is None:
                     specs[i] = t._spec
+                    ref_shapes[i] = tuple(t._local_tensor.shape)
                 elif not _same_layout(specs[i], t._spec):
                     return False, None
             elif isinstance(t, torch.Tensor) and t.dim() != 0:
@@ -177,12 +188,20 @@ def _try_local_foreach(func, args: tuple, kwargs: dict) -> tuple[bool, Any]:
             return [t._local_tensor if isinstance(t, DTensor) else t for t in a]
         return a
 
+    if func._schema.name == "aten::_foreach_norm":
+        return _foreach_norm(lists[0], specs, *args[1:], **kwargs)  # type: ignore[arg-type]
+    if func._schema.name in _FOREACH_REDUCTIONS:
+        return False, None
     out = func(*[unwrap(a) for a in args], **kwargs)
     if out is None:
         return True, None
     wrapped = []
     for i, t in enumerate(out):
         s = specs[i]
+        if not isinstance(t, torch.Tensor) or tuple(t.shape) != tuple(
+            lists[0][i]._local_tensor.shape
+        ):
+            raise RuntimeError(f"{func} is not shape-preserving; it cannot run on local shards")
         if has_plugin_placement(s.placements):
             wrapped.append(_wrap_like(t, s))
         else:
@@ -194,24 +213,25 @@ def _try_local_foreach(func, args: tuple, kwargs: dict) -> tuple[bool, Any]:
 
 
 def _full_reduction(func, spec: Any, flat: list, treedef) -> tuple[bool, Any]:
+    args, kwargs = tree_unflatten(flat, treedef)
+    x = args[0]
+    local = x._local_tensor
+    if func is aten.linalg_vector_norm.default:
+        return _full_norm(spec, local, *args[1:], **kwargs)
+    if any(v is not None for k, v in kwargs.items() if k != "dtype"):
+        return False, None
     out_placements: list[Placement] = []
     for p in spec.placements:
         if is_sharding(p):
             out_placements.append(Partial("sum"))
-        elif isinstance(p, Partial):
-            if p.reduce_op != "sum":
-                return False, None
-            out_placements.append(p)
+        elif isinstance(p, Partial) and p.reduce_op != "sum":
+            return False, None
         else:
             out_placements.append(p)
-    args, kwargs = tree_unflatten(flat, treedef)
-    if any(v is not None for v in kwargs.values() if not isinstance(v, torch.dtype)):
-        return False, None
-    x = args[0]
-    local = x._local_tensor
     dtype = kwargs.get("dtype")
     if func is aten.mean.default:
-        if not (dtype or local.dtype).is_floating_point and not (dtype or local.dtype).is_complex:
+        kind = dtype or local.dtype
+        if not (kind.is_floating_point or kind.is_complex):
             return False, None
         numel = 1
         for s in spec.shape:
@@ -220,6 +240,44 @@ def _full_reduction(func, spec: Any, flat: list, treedef) -> tuple[bool, Any]:
     else:
         res = func(local, dtype=dtype) if dtype is not None else func(local)
     return True, make_dtensor(res, spec.mesh, out_placements, ())
+
+
+def _full_norm(spec, local, ord=2, dim=None, keepdim=False, *, dtype=None) -> tuple[bool, Any]:
+    ndim = len(spec.shape)
+    if keepdim or (dim is not None and sorted(d % ndim for d in dim) != list(range(ndim))):
+        return False, None
+    ord = float(ord)
+    if ord == float("inf"):
+        pending: Placement = Partial("max")
+    elif ord == float("-inf"):
+        pending = Partial("min")
+    elif ord == 0.0:
+        pending = Partial("sum")
+    else:
+        pending = _compat.norm_partial(ord)
+    out_placements: list[Placement] = []
+    for p in spec.placements:
+        if isinstance(p, Partial):
+            return False, None  # the norm of a pending sum is not a pending norm
+        out_placements.append(pending if is_sharding(p) else p)
+    if local.numel() == 0:  # identity of the pending reduction (norms are >= 0)
+        fill = float("inf") if ord == float("-inf") else 0.0
+        res = torch.full((), fill, dtype=dtype or local.dtype, device=local.device)
+    else:
+        res = torch.linalg.vector_norm(local, ord, dtype=dtype)
+    return True, make_dtensor(res, spec.mesh, out_placements, ())
+
+
+def _foreach_norm(tensors, specs, ord=2, dtype=None) -> tuple[bool, Any]:
+    outs = []
+    for t, s in zip(tensors, specs):
+        if not isinstance(t, DTensor) or not _allows(s, "full_reduction"):
+            return False, None
+        ok, res = _full_norm(s, t._local_tensor, ord, dtype=dtype)
+        if not ok:
+            return False, None
+        outs.append(res)
+    return True, outs
 
 
 # ------------------------------------------------------------------ fallback
@@ -258,16 +316,26 @@ def _fallback(func, args: tuple, kwargs: dict) -> Any:
     new_args = tree_map(conv, args)
     new_kwargs = tree_map(conv, kwargs)
     out = func(*new_args, **new_kwargs)
-    mutated = _mutated_arg_indices(func)
-    if mutated:
-        result = out
-        for i in mutated:
-            if i < len(args) and isinstance(args[i], PluginDTensor):
-                _from_fallback_into(args[i], new_args[i])
-                if isinstance(out, torch.Tensor) and out is new_args[i]:
-                    result = args[i]
-        return result
-    return out
+    mutated = _mutated_args(func)
+    if not mutated:
+        return out
+    result = out
+    for i, name in mutated:
+        if i < len(args):
+            orig, fb = args[i], new_args[i]
+        elif name in kwargs:
+            orig, fb = kwargs[name], new_kwargs[name]
+        else:
+            continue
+        if isinstance(orig, PluginDTensor):
+            _from_fallback_into(orig, fb)
+            if isinstance(out, torch.Tensor) and out is fb:
+                result = orig
+        elif isinstance(orig, (list, tuple)):  # foreach in-place ops mutate lists
+            for o, f in zip(orig, fb):
+                if isinstance(o, PluginDTensor):
+                    _from_fallback_into(o, f)
+    return result
 
 
 # ------------------------------------------------------------------ the subclass

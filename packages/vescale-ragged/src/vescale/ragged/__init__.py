@@ -7,6 +7,27 @@ only through the ``vescale`` entry point (``vescale.ragged._plugin``).
 """
 
 from vescale.ragged.__about__ import __version__
+from vescale.ragged._flat_buffer import FlatBuffer
+from vescale.ragged._pack import PackKernels, TorchPackKernels, get_pack_kernels
 from vescale.ragged._placement import RaggedShard
+from vescale.ragged._planner import (
+    FlatLayout,
+    ParamSlot,
+    ParamSpec,
+    layouts_from_tensors,
+    plan_flat_buffers,
+)
 
-__all__ = ["__version__", "RaggedShard"]
+__all__ = [
+    "__version__",
+    "RaggedShard",
+    "ParamSpec",
+    "ParamSlot",
+    "FlatLayout",
+    "plan_flat_buffers",
+    "layouts_from_tensors",
+    "FlatBuffer",
+    "PackKernels",
+    "TorchPackKernels",
+    "get_pack_kernels",
+]

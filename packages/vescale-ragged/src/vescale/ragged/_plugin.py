@@ -7,6 +7,11 @@
 from __future__ import annotations
 
 from vescale.dtensor import hookimpl
+from vescale.ragged._pack_plugin import (  # noqa: F401  (hook implementations)
+    vescale_addhooks,
+    vescale_pack_kernels,
+    vescale_pack_kernels_triton,
+)
 from vescale.ragged._placement import RaggedShard
 from vescale.ragged._steps import step_for
 

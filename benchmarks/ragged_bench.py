@@ -1,0 +1,134 @@
+"""vescale-ragged micro-benchmarks: pack/unpack kernels and the flat-buffer planner.
+
+Run: ``OMP_NUM_THREADS=1 python benchmarks/ragged_bench.py [--quick]``
+
+Prints one table: pack and unpack time of the selected kernels (and of the other
+torch strategies measured) against one ``torch.cat`` and one memcpy of the same
+bytes (ratio = kernel time / memcpy time), and planner time for 100, 1,000 and
+10,000 parameters.
+"""
+
+from __future__ import annotations
+
+import argparse
+import math
+import random
+import time
+
+import torch
+
+from vescale.ragged._pack import TorchPackKernels, get_pack_kernels
+from vescale.ragged._planner import ParamSpec, plan_flat_buffers
+
+
+def _time(fn, repeat: int) -> float:
+    fn()
+    best = math.inf
+    for _ in range(repeat):
+        t0 = time.perf_counter()
+        fn()
+        best = min(best, time.perf_counter() - t0)
+    return best
+
+
+def bench_pack(repeat: int) -> list[tuple[str, ...]]:
+    rows = []
+    kernels = get_pack_kernels("cpu")
+    cases = [("200 x 4096", 200, 4096), ("1000 x 100", 1000, 100), ("20 x 500k", 20, 500_000)]
+    for label, count, size in cases:
+        rows += _pack_case(kernels, label, count, size, repeat)
+    return rows
+
+
+def _pack_case(kernels, label: str, count: int, size: int, repeat: int) -> list[tuple[str, ...]]:
+    rows = []
+    ts = [torch.randn(size) for _ in range(count)]
+    total = count * size
+    out = torch.empty(total)
+    src = torch.randn(total)
+    out_bf16 = torch.empty(total, dtype=torch.bfloat16)
+    views = list(out.split([t.numel() for t in ts]))
+    memcpy = _time(lambda: out.copy_(src), repeat)
+    cat = _time(lambda: torch.cat(ts, out=out), repeat)
+    results = {
+        f"pack ({kernels.name})": _time(lambda: kernels.pack(ts, out), repeat),
+        f"unpack ({kernels.name})": _time(lambda: kernels.unpack(out, ts), repeat),
+        "pack fp32->bf16": _time(lambda: kernels.pack(ts, out_bf16), repeat),
+        "pack: torch.cat(out=)": cat,
+        "pack: loop of copy_": _time(lambda: [v.copy_(t) for v, t in zip(views, ts)], repeat),
+        "unpack: split_with_sizes_copy": _time(
+            lambda: torch.split_with_sizes_copy(out, [t.numel() for t in ts], out=ts), repeat
+        ),
+    }
+    gb = total * 4 / 1e9
+    for name, t in results.items():
+        rows.append(
+            (
+                label,
+                name,
+                f"{t * 1e3:.3f}",
+                f"{gb / t:.2f}",
+                f"{t / cat:.2f}",
+                f"{t / memcpy:.2f}",
+            )
+        )
+    return rows
+
+
+def _specs(count: int, seed: int = 0) -> list[ParamSpec]:
+    rng = random.Random(seed)
+    dims = [64, 128, 256, 384, 512, 768, 1024]
+    out = []
+    for i in range(count):
+        kind = rng.random()
+        if kind < 0.4:
+            out.append(ParamSpec(f"p{i}", (rng.choice(dims),), torch.float32))
+        elif kind < 0.8:
+            out.append(
+                ParamSpec(f"p{i}", (rng.choice(dims), rng.choice(dims)), torch.float32, "row")
+            )
+        else:
+            shape = (rng.choice(dims), rng.choice(dims))
+            out.append(ParamSpec(f"p{i}", shape, torch.bfloat16, (32, 32)))
+    return out
+
+
+def bench_planner(repeat: int) -> list[tuple[str, ...]]:
+    rows = []
+    for count in (100, 1_000, 10_000):
+        specs = _specs(count)
+        for n in (8, 64):
+            t = _time(lambda s=specs, k=n: plan_flat_buffers(s, k), repeat)
+            layouts = plan_flat_buffers(specs, n)
+            imb = max(l.imbalance() for l in layouts.values())
+            pad = sum(l.padding for l in layouts.values())
+            rows.append((f"{count} params", f"N={n}", f"{t * 1e3:.1f}", f"{imb:.6f}", str(pad)))
+    return rows
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__)
+    parser.add_argument("--quick", action="store_true", help="fewer repetitions")
+    args = parser.parse_args()
+    repeat = 3 if args.quick else 10
+    torch.manual_seed(0)
+    print(
+        f"torch {torch.__version__}, threads {torch.get_num_threads()}, kernels "
+        f"{get_pack_kernels('cpu').name} (default {TorchPackKernels.name})"
+    )
+    print()
+    header = ("tensors", "op", "ms", "GB/s", "vs cat", "vs memcpy")
+    rows = bench_pack(repeat)
+    widths = [max(len(str(r[i])) for r in rows + [header]) for i in range(len(header))]
+    for r in [header, *rows]:
+        print("  ".join(str(c).ljust(w) for c, w in zip(r, widths)))
+    print()
+    header = ("planner", "ranks", "ms", "max/min load", "padding (elements)")
+    rows = bench_planner(max(1, repeat // 3))
+    widths = [max(len(str(r[i])) for r in rows + [header]) for i in range(len(header))]
+    for r in [header, *rows]:
+        print("  ".join(str(c).ljust(w) for c, w in zip(r, widths)))
+
+
+if __name__ == "__main__":
+    main()

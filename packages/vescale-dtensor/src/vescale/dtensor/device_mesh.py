@@ -1,0 +1,284 @@
+"""``DeviceMesh``: torch's device mesh with input validation and self-initialisation.
+
+:class:`DeviceMesh` subclasses :class:`torch.distributed.device_mesh.DeviceMesh`,
+so it is accepted wherever torch expects a mesh (DTensor, FSDP2,
+``parallelize_module``, DCP). On top of torch it
+
+* validates its input and raises :class:`ValueError` saying what was expected;
+* initialises the default process group from the environment when none
+  exists: gloo for ``"cpu"``, NCCL for ``"cuda"``, configured by the
+  ``torchrun`` variables (``RANK``, ``WORLD_SIZE``, ``MASTER_ADDR``,
+  ``MASTER_PORT``); without any of them, a single-process group (world size 1)
+  is created so that scripts also run as plain ``python``;
+* applies a collective timeout (:func:`set_default_timeout`, environment
+  variable ``VESCALE_COLLECTIVE_TIMEOUT``, default 300 s) to the process
+  groups it creates.
+
+Sub-meshes obtained by slicing (``mesh["tp"]``) are torch's own
+``DeviceMesh`` objects, as torch builds them internally.
+"""
+
+from __future__ import annotations
+
+import math
+import os
+from collections.abc import Sequence
+from datetime import timedelta
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from torch.distributed.device_mesh import DeviceMesh as _TorchDeviceMesh
+
+__all__ = ["DeviceMesh", "get_default_timeout", "init_device_mesh", "set_default_timeout"]
+
+TIMEOUT_ENV = "VESCALE_COLLECTIVE_TIMEOUT"
+_DEFAULT_TIMEOUT_S = 300.0
+_timeout_override: float | None = None
+_BACKENDS = {"cpu": "gloo", "cuda": "nccl"}
+_TORCHRUN_VARS = ("RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT")
+
+
+def set_default_timeout(seconds: float | None) -> None:
+    """Set the collective timeout used for process groups vescale creates.
+
+    Args:
+        seconds: Positive number of seconds, or ``None`` to fall back to the
+            ``VESCALE_COLLECTIVE_TIMEOUT`` environment variable (or 300 s).
+
+    Raises:
+        ValueError: If ``seconds`` is not a positive finite number.
+    """
+    global _timeout_override
+    if seconds is not None:
+        seconds = _check_timeout(seconds, "set_default_timeout")
+    _timeout_override = seconds
+
+
+def _check_timeout(value: Any, where: str) -> float:
+    try:
+        seconds = float(value)
+    except (TypeError, ValueError):
+        raise ValueError(f"{where}: expected a positive number of seconds, got {value!r}") from None
+    if not math.isfinite(seconds) or seconds <= 0:
+        raise ValueError(f"{where}: expected a positive number of seconds, got {value!r}")
+    return seconds
+
+
+def _timeout_configured() -> bool:
+    return _timeout_override is not None or bool(os.environ.get(TIMEOUT_ENV))
+
+
+def get_default_timeout() -> float:
+    """Return the collective timeout in seconds.
+
+    Order: the value given to :func:`set_default_timeout`, else the
+    ``VESCALE_COLLECTIVE_TIMEOUT`` environment variable, else 300.
+
+    Raises:
+        ValueError: If the environment variable is not a positive number.
+    """
+    if _timeout_override is not None:
+        return _timeout_override
+    env = os.environ.get(TIMEOUT_ENV)
+    if env:
+        return _check_timeout(env, f"environment variable {TIMEOUT_ENV}")
+    return _DEFAULT_TIMEOUT_S
+
+
+def _check_device_type(device_type: Any) -> str:
+    if not isinstance(device_type, str):
+        raise ValueError(f"device_type must be a str such as 'cpu' or 'cuda', got {device_type!r}")
+    try:
+        dev = torch.device(device_type)
+    except RuntimeError:
+        raise ValueError(
+            f"unknown device type {device_type!r}; expected 'cpu', 'cuda' or another torch device type"
+        ) from None
+    if dev.index is not None:
+        raise ValueError(
+            f"device_type must name a device type without an index (e.g. 'cuda'), got {device_type!r}"
+        )
+    if dev.type == "meta":
+        raise ValueError(
+            "device_type 'meta' cannot run collectives; expected 'cpu', 'cuda' or another device type"
+        )
+    return dev.type
+
+
+def _check_dim_names(mesh_dim_names: Any, ndim: int) -> tuple[str, ...] | None:
+    if mesh_dim_names is None:
+        return None
+    if isinstance(mesh_dim_names, str):
+        raise ValueError(
+            f"mesh_dim_names must be a tuple of str, got the str {mesh_dim_names!r}; write ({mesh_dim_names!r},)"
+        )
+    names = tuple(mesh_dim_names)
+    if len(names) != ndim:
+        raise ValueError(
+            f"mesh_dim_names {names} has {len(names)} name(s) but the mesh has {ndim} dimension(s)"
+        )
+    if not all(isinstance(n, str) and n for n in names):
+        raise ValueError(f"mesh_dim_names must be non-empty str, got {names}")
+    dups = sorted({n for n in names if names.count(n) > 1})
+    if dups:
+        raise ValueError(f"mesh_dim_names must be unique, got {names} (duplicates: {dups})")
+    return names
+
+
+def _mesh_tensor(mesh: Any) -> torch.Tensor:
+    if isinstance(mesh, torch.Tensor):
+        tensor = mesh.detach().cpu()
+    else:
+        try:
+            tensor = torch.tensor(mesh)
+        except (TypeError, ValueError, RuntimeError) as exc:
+            raise ValueError(
+                f"mesh must be a (nested) list or tensor of integer ranks, got {mesh!r} ({exc})"
+            ) from None
+    if tensor.ndim == 0:
+        raise ValueError("mesh must have at least one dimension, got a scalar")
+    if tensor.numel() == 0:
+        raise ValueError(f"mesh must contain at least one rank, got shape {tuple(tensor.shape)}")
+    if tensor.is_floating_point() or tensor.is_complex() or tensor.dtype == torch.bool:
+        raise ValueError(f"mesh must hold integer ranks, got dtype {tensor.dtype}")
+    tensor = tensor.to(torch.int64)
+    flat = tensor.flatten().tolist()
+    if min(flat) < 0:
+        raise ValueError(f"mesh ranks must be non-negative, got {sorted(r for r in flat if r < 0)}")
+    if len(set(flat)) != len(flat):
+        dups = sorted({r for r in flat if flat.count(r) > 1})
+        raise ValueError(f"mesh ranks must be unique, got duplicates {dups} in {tensor.tolist()}")
+    return tensor
+
+
+def _ensure_process_group(device_type: str) -> None:
+    """Initialise the default process group from the environment if needed."""
+    if dist.is_initialized():
+        return
+    backend = _BACKENDS.get(device_type)
+    if backend is None:
+        raise ValueError(
+            f"no default backend for device type {device_type!r}; expected 'cpu' (gloo) or 'cuda' (nccl), "
+            "or initialise the process group yourself"
+        )
+    timeout = timedelta(seconds=get_default_timeout())
+    present = [v for v in _TORCHRUN_VARS if os.environ.get(v)]
+    if not present:
+        # Plain `python script.py`: a world of one process.
+        dist.init_process_group(
+            backend, store=dist.HashStore(), rank=0, world_size=1, timeout=timeout
+        )
+        return
+    missing = [v for v in _TORCHRUN_VARS if not os.environ.get(v)]
+    if missing:
+        raise ValueError(
+            f"cannot initialise the process group from the environment: {present} are set but {missing} are not "
+            "(launch with torchrun, or initialise the process group yourself)"
+        )
+    dist.init_process_group(backend, init_method="env://", timeout=timeout)
+
+
+def _apply_timeout(mesh: _TorchDeviceMesh) -> None:
+    seconds = timedelta(seconds=get_default_timeout())
+    for dim in range(mesh.ndim):
+        try:
+            group = mesh.get_group(dim)
+        except Exception:  # noqa: BLE001 (rank outside the mesh: no group)
+            continue
+        try:
+            dist.distributed_c10d._set_pg_timeout(seconds, group)
+        except Exception:  # noqa: BLE001 (backend without timeout support)
+            continue
+
+
+class DeviceMesh(_TorchDeviceMesh):
+    """A validated :class:`torch.distributed.device_mesh.DeviceMesh`.
+
+    Args:
+        device_type: ``"cpu"``, ``"cuda"`` or another torch device type (no index).
+        mesh: Nested list or integer tensor of unique global ranks; its shape is
+            the mesh shape. Ranks must lie in ``range(world_size)``; a mesh may
+            cover only part of the world.
+        mesh_dim_names: One unique name per mesh dimension.
+        **kwargs: Passed to torch's constructor (e.g. ``backend_override``).
+
+    Raises:
+        ValueError: On an unknown device type, a malformed mesh, duplicate or
+            out-of-range ranks, or mismatched/duplicate dimension names.
+
+    Example:
+        .. code-block:: python
+
+            mesh = DeviceMesh("cpu", [[0, 1], [2, 3]], mesh_dim_names=("dp", "tp"))
+    """
+
+    def __init__(
+        self,
+        device_type: str,
+        mesh: torch.Tensor | Sequence[Any] | None = None,
+        *,
+        mesh_dim_names: tuple[str, ...] | None = None,
+        **kwargs: Any,
+    ) -> None:
+        if mesh is None or any(k.startswith("_") for k in kwargs):
+            # torch-internal construction path (layouts, rank maps): no checks.
+            super().__init__(device_type, mesh, mesh_dim_names=mesh_dim_names, **kwargs)
+            return
+        device_type = _check_device_type(device_type)
+        tensor = _mesh_tensor(mesh)
+        names = _check_dim_names(mesh_dim_names, tensor.ndim)
+        created = not dist.is_initialized()
+        _ensure_process_group(device_type)
+        world = dist.get_world_size()
+        outside = sorted(r for r in tensor.flatten().tolist() if r >= world)
+        if outside:
+            raise ValueError(
+                f"mesh ranks must lie in range(world_size={world}); got {outside} in {tensor.tolist()}"
+            )
+        super().__init__(device_type, tensor, mesh_dim_names=names, **kwargs)
+        if created or _timeout_configured():
+            _apply_timeout(self)
+
+
+def init_device_mesh(
+    device_type: str,
+    mesh_shape: Sequence[int],
+    *,
+    mesh_dim_names: Sequence[str] | None = None,
+) -> DeviceMesh:
+    """Create a :class:`DeviceMesh` over the whole world, ranks laid out row-major.
+
+    Initialises the default process group from the environment if needed.
+
+    Args:
+        device_type: ``"cpu"``, ``"cuda"`` or another torch device type.
+        mesh_shape: Positive sizes whose product equals the world size.
+        mesh_dim_names: One unique name per mesh dimension.
+
+    Returns:
+        The mesh ``torch.arange(world_size).view(mesh_shape)``.
+
+    Raises:
+        ValueError: On a malformed shape, a shape whose size differs from the
+            world size, or invalid names or device type.
+    """
+    device_type = _check_device_type(device_type)
+    if isinstance(mesh_shape, int):
+        mesh_shape = (mesh_shape,)
+    shape = tuple(mesh_shape)
+    if not shape or not all(
+        isinstance(s, int) and not isinstance(s, bool) and s > 0 for s in shape
+    ):
+        raise ValueError(
+            f"mesh_shape must be a non-empty tuple of positive ints, got {mesh_shape!r}"
+        )
+    names = _check_dim_names(mesh_dim_names, len(shape))
+    _ensure_process_group(device_type)
+    world = dist.get_world_size()
+    if math.prod(shape) != world:
+        raise ValueError(
+            f"mesh_shape {shape} has {math.prod(shape)} rank(s) but the world size is {world}; "
+            "expected a shape whose product equals the world size"
+        )
+    return DeviceMesh(device_type, torch.arange(world).view(shape), mesh_dim_names=names)

@@ -1,0 +1,150 @@
+"""``FlatBuffer`` on 1, 2 and 4 gloo ranks: views, zero-copy all-gather and reduce-scatter."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.distributed as dist
+from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
+
+from vescale.dtensor import Replicate
+from vescale.dtensor.testing import distributed
+from vescale.ragged import RaggedShard
+from vescale.ragged._flat_buffer import FlatBuffer
+from vescale.ragged._planner import ParamSpec, plan_flat_buffers
+
+SPECS = [
+    ParamSpec("emb", (37, 8), torch.float32, "row"),
+    ParamSpec("scalar", (), torch.float32),
+    ParamSpec("w_q", (64, 16), torch.float32, (32, 8)),
+    ParamSpec("bias", (13,), torch.float32),
+    ParamSpec("cube", (3, 5, 7), torch.float32),
+    ParamSpec("half", (9, 4), torch.bfloat16, "row"),
+]
+
+
+def _dense(seed: int = 1) -> dict[str, torch.Tensor]:
+    # Small integers: sums are exact in any order, in fp32 and bf16.
+    g = torch.Generator().manual_seed(seed)
+    return {s.name: torch.randint(-8, 9, s.shape, generator=g).to(s.dtype) for s in SPECS}
+
+
+def _check_buffers(mesh, mesh_dim, weights=None):
+    n = mesh.size(mesh_dim)
+    dense = _dense()
+    grads = _dense(seed=2)
+    for _dtype, layout in plan_flat_buffers(SPECS, n, weights=weights).items():
+        fb = FlatBuffer(layout, mesh, mesh_dim)
+        fb.load_full(dense)
+        r = fb.rank
+        base = fb.local.data_ptr()
+        item = fb.local.element_size()
+        # parameter views are the right slices of the dense parameters, views of one storage
+        for name in layout.names:
+            view = fb.local_view(name)
+            assert torch.equal(view, layout.shard_of(name, dense[name], r))
+            dt = fb.dtensor(name, requires_grad=True)
+            assert (
+                dt.to_local().data_ptr() == base + layout.local_range(name, r)[0] * item
+                or not view.numel()
+            )
+            assert isinstance(dt.placements[mesh_dim], RaggedShard)
+            assert all(p == Replicate() for i, p in enumerate(dt.placements) if i != mesh_dim)
+            assert torch.equal(dt.full_tensor(), dense[name])
+        # all-gather: one collective straight into the destination
+        out = fb.new_full_buffer()
+        ptr = out.data_ptr()
+        got = fb.all_gather(out)
+        assert got is out and out.data_ptr() == ptr
+        views = fb.full_views(out)
+        for name in layout.names:
+            assert torch.equal(views[name], dense[name])
+            assert (
+                views[name].data_ptr() == ptr + layout[name].offset * item
+                or not views[name].numel()
+            )
+        if layout.even and n > 1:
+            assert fb.extra_copy_bytes == 0
+        if n == 1:
+            assert fb.all_gather() is fb.local
+        # reduce-scatter: each rank's gradients are (rank + 1) * grads
+        gflat = fb.new_full_buffer(zero=True)
+        for name, v in fb.full_views(gflat).items():
+            v.copy_(grads[name] * (dist.get_rank() + 1))
+        shard = torch.empty_like(fb.local)
+        sptr = shard.data_ptr()
+        fb.extra_copy_bytes = 0
+        res = fb.reduce_scatter(gflat, shard)
+        assert res is shard and shard.data_ptr() == sptr
+        if layout.even and n > 1:
+            assert fb.extra_copy_bytes == 0
+        scale = sum(q + 1 for q in dist.get_process_group_ranks(mesh.get_group(mesh_dim)))
+        for name in layout.names:
+            expect = layout.shard_of(name, grads[name] * scale, r)
+            torch.testing.assert_close(fb.local_view(name, shard), expect, rtol=0, atol=0)
+
+
+# Everything runs in the 4-rank worker pool (started once, shared with other test
+# files): 1- and 2-rank cases use a mesh dim of that size inside a 2-D mesh.
+@distributed(4)
+def test_flat_buffer_one_rank():
+    mesh = DeviceMesh("cpu", [[0], [1], [2], [3]])
+    _check_buffers(mesh, 1)
+
+
+@distributed(4)
+def test_flat_buffer_two_ranks():
+    mesh = DeviceMesh("cpu", [[0, 1], [2, 3]])
+    _check_buffers(mesh, 1)
+
+
+@distributed(4)
+def test_flat_buffer_four_ranks():
+    _check_buffers(init_device_mesh("cpu", (4,)), 0)
+
+
+@distributed(4)
+def test_flat_buffer_weighted_uneven_slices():
+    _check_buffers(init_device_mesh("cpu", (4,)), 0, weights=(1, 3, 0, 2))
+
+
+@distributed(4)
+def test_flat_buffer_on_named_dim_of_2d_mesh():
+    mesh = init_device_mesh("cpu", (2, 2), mesh_dim_names=("dp", "tp"))
+    # Gradients are summed over dp only: each dp group holds ranks of equal tp coordinate.
+    n = 2
+    dense = _dense()
+    layout = plan_flat_buffers(SPECS, n)[torch.float32]
+    fb = FlatBuffer(layout, mesh, "dp")
+    assert fb.mesh_dim == 0 and fb.rank == mesh.get_local_rank(0)
+    fb.load_full(dense)
+    out = fb.all_gather()
+    for name, v in fb.full_views(out).items():
+        assert torch.equal(v, dense[name])
+        dt = fb.dtensor(name)
+        assert dt.placements[1] == Replicate()
+        assert torch.equal(dt.full_tensor(), dense[name])
+    gflat = fb.new_full_buffer(zero=True)
+    gflat.fill_(float(mesh.get_local_rank(0) + 1))
+    shard = fb.reduce_scatter(gflat)
+    for name in layout.names:
+        assert torch.all(fb.local_view(name, shard) == 3.0)
+
+
+@distributed(4)
+def test_constructor_validation():
+    mesh = DeviceMesh("cpu", [[0, 1], [2, 3]], mesh_dim_names=("pp", "dp"))["dp"]
+    layout = plan_flat_buffers(SPECS[:2], 2)[torch.float32]
+    with pytest.raises(TypeError, match="FlatLayout"):
+        FlatBuffer(object(), mesh)  # type: ignore[arg-type]
+    with pytest.raises(ValueError, match="no dim named 'tp'"):
+        FlatBuffer(layout, mesh, "tp")
+    with pytest.raises(ValueError, match="planned for 4 ranks"):
+        FlatBuffer(plan_flat_buffers(SPECS[:2], 4)[torch.float32], mesh)
+    with pytest.raises(ValueError, match="1-D and contiguous"):
+        FlatBuffer(layout, mesh, local=torch.zeros(3))
+    fb = FlatBuffer(layout, mesh)
+    with pytest.raises(ValueError, match="out must be"):
+        fb.all_gather(torch.zeros(2))
+    with pytest.raises(KeyError, match="'nope'"):
+        fb.local_view("nope")

@@ -1,0 +1,267 @@
+"""Properties of the flat-buffer planner (``vescale.ragged._planner``)."""
+
+from __future__ import annotations
+
+import itertools
+import math
+
+import pytest
+import torch
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+
+from vescale.ragged import RaggedShard
+from vescale.ragged._planner import FlatLayout, ParamSpec, plan_flat_buffers
+
+DTYPES = [torch.float32, torch.bfloat16]
+
+
+@st.composite
+def param_specs(draw):
+    count = draw(st.integers(1, 8))
+    specs = []
+    for i in range(count):
+        ndim = draw(st.integers(0, 3))
+        shape = tuple(draw(st.lists(st.integers(0, 9), min_size=ndim, max_size=ndim)))
+        kind = draw(st.sampled_from(["element", "row", "block"]))
+        if kind == "block" and ndim:
+            m = draw(st.integers(1, ndim))
+            gran = tuple(draw(st.lists(st.integers(1, 4), min_size=m, max_size=m)))
+        elif kind == "row":
+            gran = "row"
+        else:
+            gran = "element"
+        specs.append(ParamSpec(f"p{i}", shape, draw(st.sampled_from(DTYPES)), gran))
+    return specs
+
+
+def _step(spec: ParamSpec) -> int:
+    """Cut granularity in elements (what the planner must respect)."""
+    shape, g = spec.shape, spec.granularity
+    if g == "element":
+        return 1
+    if g == "row":
+        return math.prod(shape[1:])
+    lead = len(shape) - len(g)
+    return (
+        g[0] * math.prod(shape[lead + 1 :])
+        if shape[lead] % g[0] == 0 or lead == 0
+        else math.prod(shape[lead:])
+    )
+
+
+def _block_ids(spec: ParamSpec) -> torch.Tensor:
+    """Id of the granularity unit that every element (row-major) belongs to."""
+    shape, g = spec.shape, spec.granularity
+    n = math.prod(shape)
+    if g == "element" or n == 0:
+        return torch.arange(n)
+    if g == "row":
+        row = math.prod(shape[1:])
+        return torch.arange(n) // max(row, 1)
+    idx = torch.arange(n).reshape(shape)
+    lead = len(shape) - len(g)
+    coords = torch.meshgrid(*[torch.arange(s) for s in shape], indexing="ij")
+    key = torch.zeros(shape, dtype=torch.long)
+    for d in range(len(shape)):
+        c = coords[d] if d < lead else coords[d] // g[d - lead]
+        key = key * (shape[d] + 1) + c
+    del idx
+    return key.reshape(-1)
+
+
+def _check_layout(layout: FlatLayout, specs: list[ParamSpec], n: int, weighted: bool) -> None:
+    # rank slices tile the buffer in order
+    assert layout.rank_ranges[0][0] == 0 and layout.rank_ranges[-1][1] == layout.numel
+    for (a, b), (c, _d) in itertools.pairwise(layout.rank_ranges):
+        assert b == c and a <= b
+    assert layout.even == (len({b - a for a, b in layout.rank_ranges}) == 1)
+    # parameters are in order, disjoint, inside the buffer; exact coverage
+    assert [p.name for p in layout.params] == [s.name for s in specs]
+    pos = 0
+    for p, s in zip(layout.params, specs):
+        assert p.offset >= pos and p.numel == math.prod(s.shape) and p.shape == s.shape
+        pos = p.stop
+    assert pos <= layout.numel
+    assert layout.data_numel == sum(math.prod(s.shape) for s in specs)
+    if weighted:
+        assert layout.padding == 0
+    else:
+        assert layout.even
+        gmax = max(_step(s) for s in specs)
+        slice_len = layout.slice_numel(0)
+        big = [_step(s) for s in specs if math.prod(s.shape) > slice_len]
+        # At most one gap (< step) per cut; a parameter longer than a slice may force
+        # the slice length to a multiple of its step (less than N * lcm more).
+        bound = (n - 1) * gmax + (n * math.lcm(*big) if big else 0)
+        assert layout.padding <= bound
+    # every rank's pieces of all parameters cover exactly the parameter
+    for p, s in zip(layout.params, specs):
+        pl = p.placement
+        assert isinstance(pl, RaggedShard)
+        pl.check_shape(p.shape, n)
+        assert len(pl.local_units) == n
+        full = torch.arange(p.numel, dtype=torch.float64).reshape(p.shape)
+        pieces = [layout.piece(p.name, r) for r in range(n)]
+        assert sum(b - a for a, b in pieces) == p.numel
+        ids = _block_ids(s)
+        owner = {}
+        for r, (a, b) in enumerate(pieces):
+            # the RaggedShard shard is exactly this rank's piece of the buffer
+            assert tuple(pl.local_shape(p.shape, n, r)) == layout.local_shape(p.name, r)
+            local = pl.shard(full, n, r)
+            expect = layout.shard_of(p.name, full, r)
+            assert torch.equal(local, expect)
+            if b > a:
+                assert torch.equal(local.reshape(-1), full.reshape(-1)[a - p.offset : b - p.offset])
+            # blocks never split across ranks
+            for blk in ids[a - p.offset : b - p.offset].unique().tolist():
+                assert owner.setdefault(blk, r) == r, f"{p.name}: block split between ranks"
+        if s.granularity == "row" and len(s.shape) >= 1:
+            assert pl.dims == (0,)
+        if s.granularity == "element":
+            assert pl.dims == tuple(range(len(s.shape)))
+
+
+@settings(
+    max_examples=80, deadline=None, database=None, suppress_health_check=[HealthCheck.too_slow]
+)
+@given(specs=param_specs(), n=st.integers(1, 6))
+def test_even_layout_properties(specs, n):
+    layouts = plan_flat_buffers(specs, n)
+    assert set(layouts) == {s.dtype for s in specs}
+    for dtype, layout in layouts.items():
+        group = [s for s in specs if s.dtype == dtype]
+        _check_layout(layout, group, n, weighted=False)
+
+
+@settings(
+    max_examples=60, deadline=None, database=None, suppress_health_check=[HealthCheck.too_slow]
+)
+@given(
+    specs=param_specs(),
+    weights=st.lists(st.integers(0, 5), min_size=2, max_size=5).filter(
+        lambda w: sum(w) > 0 and len(set(w)) > 1
+    ),
+)
+def test_weighted_layout_properties(specs, weights):
+    n = len(weights)
+    for dtype, layout in plan_flat_buffers(specs, n, weights=weights).items():
+        group = [s for s in specs if s.dtype == dtype]
+        _check_layout(layout, group, n, weighted=True)
+
+
+@settings(max_examples=60, deadline=None, database=None)
+@given(
+    sizes=st.lists(st.integers(0, 5000), min_size=1, max_size=30),
+    n=st.integers(1, 8),
+)
+def test_element_granularity_is_balanced(sizes, n):
+    specs = [ParamSpec(f"p{i}", (s,), torch.float32) for i, s in enumerate(sizes)]
+    layout = plan_flat_buffers(specs, n)[torch.float32]
+    loads = layout.rank_data_numel()
+    assert max(loads) - min(loads) <= n - 1
+    assert layout.padding <= n - 1
+
+
+def _gpt2_specs(gran, layers=12, d=768, vocab=50257, ctx=1024):
+    shapes = [("wte", (vocab, d)), ("wpe", (ctx, d))]
+    for i in range(layers):
+        shapes += [
+            (f"h{i}.ln_1.weight", (d,)),
+            (f"h{i}.ln_1.bias", (d,)),
+            (f"h{i}.attn.c_attn.weight", (d, 3 * d)),
+            (f"h{i}.attn.c_attn.bias", (3 * d,)),
+            (f"h{i}.attn.c_proj.weight", (d, d)),
+            (f"h{i}.attn.c_proj.bias", (d,)),
+            (f"h{i}.ln_2.weight", (d,)),
+            (f"h{i}.ln_2.bias", (d,)),
+            (f"h{i}.mlp.c_fc.weight", (d, 4 * d)),
+            (f"h{i}.mlp.c_fc.bias", (4 * d,)),
+            (f"h{i}.mlp.c_proj.weight", (4 * d, d)),
+            (f"h{i}.mlp.c_proj.bias", (d,)),
+        ]
+    shapes += [("ln_f.weight", (d,)), ("ln_f.bias", (d,))]
+    return [ParamSpec(n, s, torch.float32, gran if len(s) == 2 else "element") for n, s in shapes]
+
+
+@pytest.mark.parametrize("gran", ["element", "row"])
+@pytest.mark.parametrize("n", [2, 4, 8])
+def test_gpt2_small_balance(gran, n):
+    layout = plan_flat_buffers(_gpt2_specs(gran), n)[torch.float32]
+    assert layout.imbalance() <= 1 + 1 / 1000
+    assert layout.padding <= (n - 1) * 3072
+
+
+def test_block_granularity_cuts_between_strips():
+    specs = [
+        ParamSpec("a", (10,), torch.float32),
+        ParamSpec("w", (96, 64), torch.float32, (32, 32)),
+    ]
+    layout = plan_flat_buffers(specs, 4)[torch.float32]
+    w = layout["w"]
+    assert w.placement.dims == (0,)
+    for r in range(4):
+        a, b = layout.local_range("w", r)
+        assert (b - a) % (32 * 64) == 0
+
+
+def test_scalar_and_empty_parameters():
+    specs = [
+        ParamSpec("s", (), torch.float32),
+        ParamSpec("e", (0, 3), torch.float32),
+        ParamSpec("v", (7,), torch.float32),
+    ]
+    layout = plan_flat_buffers(specs, 3)[torch.float32]
+    s = layout["s"].placement
+    assert s.dims == () and sorted(s.local_units) == [0, 0, 1]
+    assert layout["e"].numel == 0
+    layout["e"].placement.check_shape((0, 3), 3)
+
+
+def test_even_split_is_canonical():
+    layout = plan_flat_buffers([("w", (8, 4), torch.float32, "row")], 4)[torch.float32]
+    assert layout["w"].placement == RaggedShard((0,), (1, 1, 1, 1))
+
+
+def test_dtypes_get_separate_buffers_in_order():
+    specs = [("a", (4,), torch.bfloat16), ("b", (4,), torch.float32), ("c", (2,), torch.bfloat16)]
+    layouts = plan_flat_buffers(specs, 2)
+    assert list(layouts) == [torch.bfloat16, torch.float32]
+    assert layouts[torch.bfloat16].names == ["a", "c"]
+    assert layouts[torch.bfloat16].rank_bytes() == [6, 6]
+
+
+@pytest.mark.parametrize(
+    "specs, n, kwargs, exc, match",
+    [
+        ([("w", (2, 2), torch.float32, "rows")], 2, {}, ValueError, "'w'.*unknown granularity"),
+        ([("w", (2, 2), torch.float32, (0, 2))], 2, {}, ValueError, "'w'.*positive"),
+        ([("w", (4,), torch.float32, (2, 2))], 2, {}, ValueError, "'w'.*more dims"),
+        ([("w", (2, -1), torch.float32)], 2, {}, ValueError, "'w'.*negative"),
+        ([("w", (2, 2.0), torch.float32)], 2, {}, TypeError, "'w'.*tuple of ints"),
+        ([("w", (2,), "float32")], 2, {}, TypeError, "'w'.*torch.dtype"),
+        ([("w", (2,), torch.float32, 3)], 2, {}, TypeError, "'w'.*granularity"),
+        (
+            [("w", (2,), torch.float32), ("w", (3,), torch.float32)],
+            2,
+            {},
+            ValueError,
+            "'w' appears twice",
+        ),
+        ([("", (2,), torch.float32)], 2, {}, TypeError, "name"),
+        ([object()], 2, {}, TypeError, "parameter #0"),
+        ([("w", (2,), torch.float32)], 0, {}, ValueError, "num_ranks"),
+        ([("w", (2,), torch.float32)], 2, {"weights": [1]}, ValueError, "weights"),
+        ([("w", (2,), torch.float32)], 2, {"weights": [0, 0]}, ValueError, "weights"),
+    ],
+)
+def test_invalid_input_names_the_parameter(specs, n, kwargs, exc, match):
+    with pytest.raises(exc, match=match):
+        plan_flat_buffers(specs, n, **kwargs)
+
+
+def test_unknown_name_lookup():
+    layout = plan_flat_buffers([("w", (2,), torch.float32)], 2)[torch.float32]
+    with pytest.raises(KeyError, match="'x'"):
+        layout["x"]
