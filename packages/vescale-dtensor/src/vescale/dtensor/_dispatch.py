@@ -19,7 +19,7 @@ from torch.distributed.tensor import DTensor, Partial, Placement, Replicate
 from torch.utils._pytree import tree_flatten, tree_map, tree_unflatten
 
 from vescale.dtensor import _compat
-from vescale.dtensor._redistribute import get_plan, is_sharding, localize
+from vescale.dtensor._redistribute import get_plan, is_sharding, localize, validate_layout
 from vescale.dtensor.placement_types import PluginPlacement
 
 __all__ = ["PluginDTensor", "has_plugin_placement", "make_dtensor"]
@@ -482,6 +482,7 @@ def from_local_plugin(
         raise ValueError(
             f"{len(placements)} placements {[str(p) for p in placements]} for a {mesh.ndim}-dim mesh"
         )
+    validate_layout(mesh, placements, shape)
     _, expected = localize(mesh, placements, shape)
     if tuple(local.shape) != tuple(expected):
         raise ValueError(

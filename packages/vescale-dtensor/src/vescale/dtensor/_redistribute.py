@@ -16,6 +16,8 @@ outward-in by local selection, which moves no data.
 
 from __future__ import annotations
 
+import itertools
+import math
 import threading
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
@@ -92,9 +94,18 @@ def step_for(src: Placement, dst: Placement) -> RedistributeStep | None:
 
 # ---------------------------------------------------------------------- geometry
 def localize(
-    mesh: DeviceMesh, placements: Sequence[Placement], global_shape: Sequence[int]
+    mesh: DeviceMesh,
+    placements: Sequence[Placement],
+    global_shape: Sequence[int],
+    coord: Sequence[int] | None = None,
 ) -> tuple[list[tuple[Placement, tuple[int, ...]]], tuple[int, ...]]:
     """Per mesh dim: the effective placement and the logical shape it distributes.
+
+    Args:
+        mesh: The device mesh.
+        placements: One placement per mesh dim.
+        global_shape: Shape of the global tensor.
+        coord: Mesh coordinate to compute for (default: this rank's).
 
     Returns:
         ``(per_dim, local_shape)`` where ``per_dim[i] = (effective placement, logical
@@ -103,9 +114,10 @@ def localize(
     Raises:
         ValueError: A placement cannot distribute the shape it meets.
     """
-    coord = mesh.get_coordinate()
     if coord is None:
-        raise ValueError(f"this rank is not part of mesh {mesh}")
+        coord = mesh.get_coordinate()
+        if coord is None:
+            raise ValueError(f"this rank is not part of mesh {mesh}")
     shape = tuple(int(s) for s in global_shape)
     dim_map: list[int | None] = list(range(len(shape)))
     out: list[tuple[Placement, tuple[int, ...]]] = []
@@ -141,6 +153,21 @@ def localize(
         else:
             out.append((p, shape))
     return out, shape
+
+
+_MAX_VALIDATED_COORDS = 4096
+
+
+def validate_layout(
+    mesh: DeviceMesh, placements: Sequence[Placement], global_shape: Sequence[int]
+) -> None:
+    """Raise ``ValueError`` if ``placements`` cannot lay out ``global_shape`` on any rank."""
+    shape = tuple(mesh.shape)
+    if math.prod(shape) > _MAX_VALIDATED_COORDS:
+        localize(mesh, placements, global_shape)
+        return
+    for coord in itertools.product(*(range(n) for n in shape)):
+        localize(mesh, placements, global_shape, coord)
 
 
 # ---------------------------------------------------------------------- plans
@@ -227,9 +254,11 @@ def _build_plan(
                 f"{name} placements {[str(p) for p in pl]} have {len(pl)} entries; "
                 f"the mesh has {k} dims (one placement per mesh dim expected)"
             )
-    # Validate both layouts up front (clear errors before any communication).
-    localize(mesh, src, global_shape)
-    localize(mesh, dst, global_shape)
+    # Validate both layouts up front, for every coordinate of the mesh, so that a
+    # layout that does not fit raises the same error on every rank before any
+    # communication (an error on some ranks only would leave the others hanging).
+    validate_layout(mesh, src, global_shape)
+    validate_layout(mesh, dst, global_shape)
 
     coord = mesh.get_coordinate()
     cur = list(src)

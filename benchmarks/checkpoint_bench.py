@@ -1,0 +1,155 @@
+"""Checkpoint throughput: vescale.checkpoint vs plain DCP vs the disk, on 2 and 4 CPU ranks.
+
+Every rank holds the same model-like state (DTensors sharded on dim 0, one RaggedShard
+tensor, AdamW-like moments); both checkpointers save and load it in the same run,
+alternating. The disk baseline writes one file of the same total size with fsync.
+
+    OMP_NUM_THREADS=1 python benchmarks/checkpoint_bench.py --mb 256 --ranks 2 4
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import shutil
+import socket
+import tempfile
+import time
+
+import torch
+import torch.distributed as dist
+import torch.multiprocessing as mp
+
+
+def _port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _state(mesh, total_mb: int):
+    from vescale.dtensor import Shard, distribute_tensor
+    from vescale.ragged import RaggedShard
+
+    n = mesh.size()
+    rows = max(n * 4, int(total_mb * 2**20 / 4 / 1024 / 4))  # 4 tensors of [rows, 1024] fp32
+    rows -= rows % n
+    torch.manual_seed(0)
+    state = {}
+    for i in range(3):
+        state[f"w{i}"] = distribute_tensor(
+            torch.randn(rows, 1024), mesh, [Shard(0)], src_data_rank=None
+        )
+    units = tuple(range(1, n + 1))
+    rag_rows = rows - rows % sum(units)
+    state["ragged"] = distribute_tensor(
+        torch.randn(rag_rows, 1024), mesh, [RaggedShard((0, 1), units)], src_data_rank=None
+    )
+    nbytes = sum(t.numel() * t.element_size() for t in state.values())
+    return state, nbytes
+
+
+def _plain_dcp_state(state):
+    # DCP cannot save plugin placements itself: give it the RaggedShard tensor as Shard(0).
+    from vescale.dtensor import Shard
+
+    out = dict(state)
+    out["ragged"] = state["ragged"].redistribute(placements=[Shard(0)])
+    return out
+
+
+def _timed(fn) -> float:
+    dist.barrier()
+    t0 = time.perf_counter()
+    fn()
+    dist.barrier()
+    return time.perf_counter() - t0
+
+
+def worker(rank: int, world: int, port: int, root: str, total_mb: int, reps: int, out):
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+    dist.init_process_group("gloo", rank=rank, world_size=world)
+    import torch.distributed.checkpoint as dcp
+
+    import vescale.checkpoint as vckpt
+    from vescale.dtensor import init_device_mesh
+
+    mesh = init_device_mesh("cpu", (world,))
+    state, nbytes = _state(mesh, total_mb)
+    dcp_state = _plain_dcp_state(state)
+    res = {k: [] for k in ("v_save", "v_load", "d_save", "d_load", "a_block", "a_total", "disk")}
+    for r in range(reps):
+        vp, dp = f"{root}/v{r}", f"{root}/d{r}"
+        res["v_save"].append(_timed(lambda vp=vp: vckpt.save(vp, {"m": state})))
+        res["d_save"].append(
+            _timed(lambda dp=dp: dcp.save(dcp_state, storage_writer=dcp.FileSystemWriter(dp)))
+        )
+        res["v_load"].append(_timed(lambda vp=vp: vckpt.load(vp, {"m": state})))
+        res["d_load"].append(
+            _timed(lambda dp=dp: dcp.load(dcp_state, storage_reader=dcp.FileSystemReader(dp)))
+        )
+        dist.barrier()
+        ap = f"{root}/a{r}"
+        h = vckpt.save(ap, {"m": state}, async_op=True)
+        h.result()
+        dist.barrier()
+        res["a_block"].append(h.blocking_seconds)
+        res["a_total"].append(h.total_seconds)
+        if rank == 0:
+            buf = torch.empty(nbytes // 4, dtype=torch.float32).numpy().tobytes()
+            t0 = time.perf_counter()
+            with open(f"{root}/disk{r}", "wb") as f:
+                f.write(buf)
+                f.flush()
+                os.fsync(f.fileno())
+            res["disk"].append(time.perf_counter() - t0)
+            for p in (vp, dp, ap, f"{root}/disk{r}"):
+                shutil.rmtree(p, ignore_errors=True) if os.path.isdir(p) else os.remove(p)
+        dist.barrier()
+    if rank == 0:
+        out.put((world, nbytes, {k: min(v) for k, v in res.items() if v}))
+    dist.destroy_process_group()
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--mb", type=int, default=256, help="total state size in MiB")
+    ap.add_argument("--ranks", type=int, nargs="+", default=[2, 4])
+    ap.add_argument("--reps", type=int, default=2)
+    ap.add_argument("--dir", default=None, help="where to write (default: a temp dir)")
+    args = ap.parse_args()
+    ctx = mp.get_context("spawn")
+    rows = []
+    for world in args.ranks:
+        root = tempfile.mkdtemp(prefix="vckpt-bench-", dir=args.dir)
+        q = ctx.SimpleQueue()
+        mp.start_processes(
+            worker,
+            args=(world, _port(), root, args.mb, args.reps, q),
+            nprocs=world,
+            start_method="spawn",
+            join=True,
+        )
+        rows.append(q.get())
+        shutil.rmtree(root, ignore_errors=True)
+    gb = 1e9
+    print(
+        f"{'ranks':>5} {'GB':>6} | {'vescale save':>12} {'DCP save':>9} {'ratio':>6} | "
+        f"{'vescale load':>12} {'DCP load':>9} {'ratio':>6} | {'disk write':>10} | "
+        f"{'async block':>11} {'fraction':>8}"
+    )
+    for world, nbytes, r in rows:
+        g = nbytes / gb
+        print(
+            f"{world:>5} {g:>6.3f} | {g / r['v_save']:>10.2f}/s {g / r['d_save']:>7.2f}/s "
+            f"{r['d_save'] / r['v_save']:>6.2f} | {g / r['v_load']:>10.2f}/s "
+            f"{g / r['d_load']:>7.2f}/s {r['d_load'] / r['v_load']:>6.2f} | "
+            f"{g / r['disk']:>8.2f}/s | {r['a_block']:>10.3f}s {r['a_block'] / r['a_total']:>8.2f}"
+        )
+    print(
+        "throughput in GB/s (higher is better); ratio = DCP time / vescale time (>1: vescale faster)"
+    )
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,60 @@
+"""vescale.checkpoint: distributed checkpointing with resharding, on torch.distributed.checkpoint.
+
+.. code-block:: python
+
+    import vescale.checkpoint as vckpt
+
+    vckpt.save("ckpt/step_100", {"model": model, "optimizer": opt, "step": 100})
+    vckpt.load("ckpt/step_100", {"model": model, "optimizer": opt, "step": 0})
+
+``load`` reshards to whatever mesh and placements the live objects have. DTensors with
+plugin placements (e.g. ``RaggedShard``) are saved as boxes of the global tensor, so
+they load into any other placement, mesh or a plain tensor. Placements are recorded
+by ``PLACEMENT_NAME`` plus dataclass fields in a JSON manifest; every chunk carries a
+CRC32; commits are atomic.
+"""
+
+from vescale.checkpoint.__about__ import __version__
+from vescale.checkpoint._api import (
+    CheckpointMismatchError,
+    LoadResult,
+    SaveHandle,
+    load,
+    save,
+    storage_for,
+    wait_pending,
+)
+from vescale.checkpoint._chunked import ChunkedTensor
+from vescale.checkpoint._export import export
+from vescale.checkpoint._geometry import flat_range_boxes, local_boxes
+from vescale.checkpoint._storage import (
+    CheckpointCorruptError,
+    CheckpointError,
+    IncompleteCheckpointError,
+    VescaleFileSystemReader,
+    VescaleFileSystemWriter,
+    is_complete,
+    read_manifest,
+)
+
+__all__ = [
+    "__version__",
+    "save",
+    "load",
+    "export",
+    "wait_pending",
+    "SaveHandle",
+    "LoadResult",
+    "CheckpointError",
+    "CheckpointCorruptError",
+    "CheckpointMismatchError",
+    "IncompleteCheckpointError",
+    "ChunkedTensor",
+    "VescaleFileSystemWriter",
+    "VescaleFileSystemReader",
+    "storage_for",
+    "is_complete",
+    "read_manifest",
+    "local_boxes",
+    "flat_range_boxes",
+]

@@ -1,0 +1,325 @@
+"""Turning a user's state dict into DCP's flat ``{key: tensor}`` plus JSON values, and back.
+
+Keys are dotted paths: ``model.fc1.weight``, ``optimizer.state.fc1.weight.exp_avg``,
+``optimizer.param_groups``, ``extra.seed``. Optimizer state is keyed by parameter FQN
+(``torch.distributed.checkpoint.state_dict.get_optimizer_state_dict``), so it reshards
+with the parameters. Non-tensor values go to the JSON manifest.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+from torch import nn
+from torch.distributed.checkpoint.state_dict import (
+    get_optimizer_state_dict,
+    set_optimizer_state_dict,
+)
+from torch.distributed.tensor import DTensor, Partial, Replicate
+
+from vescale.checkpoint._chunked import ChunkedTensor, chunked_from_dtensor
+from vescale.checkpoint._geometry import UnsupportedLayout
+from vescale.dtensor import PluginPlacement
+
+__all__ = ["FlatState", "flatten_state", "encode_value", "decode_value", "placement_record"]
+
+_SCALARS = (bool, int, float, str, type(None))
+
+
+def encode_value(v: Any, key: str) -> Any:
+    """JSON-encode a plain value (tuples are tagged so they round-trip)."""
+    if isinstance(v, _SCALARS):
+        return v
+    if isinstance(v, tuple):
+        return {"__tuple__": [encode_value(x, key) for x in v]}
+    if isinstance(v, list):
+        return [encode_value(x, key) for x in v]
+    if isinstance(v, dict):
+        out = {}
+        for k, x in v.items():
+            if not isinstance(k, str):
+                raise TypeError(
+                    f"{key}: dict key {k!r} is not a str; plain values are stored as JSON"
+                )
+            if k == "__tuple__":
+                raise TypeError(f"{key}: the dict key '__tuple__' is reserved")
+            out[k] = encode_value(x, f"{key}.{k}")
+        return out
+    raise TypeError(
+        f"{key}: cannot checkpoint a {type(v).__name__}; plain values must be int, float, str, "
+        "bool, None, or lists/tuples/dicts of them"
+    )
+
+
+def decode_value(v: Any) -> Any:
+    if isinstance(v, list):
+        return [decode_value(x) for x in v]
+    if isinstance(v, dict):
+        if set(v) == {"__tuple__"}:
+            return tuple(decode_value(x) for x in v["__tuple__"])
+        return {k: decode_value(x) for k, x in v.items()}
+    return v
+
+
+def placement_record(p: Any) -> dict[str, Any]:
+    """A placement as ``{"name": PLACEMENT_NAME, "fields": {...}}`` (JSON)."""
+    import dataclasses
+
+    name = getattr(type(p), "PLACEMENT_NAME", type(p).__name__)
+    if dataclasses.is_dataclass(p):
+        fields = {f.name: getattr(p, f.name) for f in dataclasses.fields(p)}
+    else:
+        fields = {k: getattr(p, k) for k in ("dim", "reduce_op") if hasattr(p, k)}
+    return {"name": name, "fields": encode_value(fields, name)}
+
+
+@dataclass
+class FlatState:
+    """A flattened state: DCP-ready tensors, JSON values and post-load actions."""
+
+    tensors: dict[str, Any] = field(default_factory=dict)
+    values: dict[str, Any] = field(default_factory=dict)
+    tensor_info: dict[str, dict[str, Any]] = field(default_factory=dict)
+    value_setters: dict[str, Callable[[Any], None]] = field(default_factory=dict)
+    finishers: list[Callable[[], None]] = field(default_factory=list)
+
+    def add_tensor(self, key: str, obj: Any, info: dict[str, Any]) -> None:
+        if key in self.tensors or key in self.values:
+            raise ValueError(f"two state entries flatten to the same key {key!r}")
+        self.tensors[key] = obj
+        self.tensor_info[key] = info
+
+    def add_value(self, key: str, value: Any, setter: Callable[[Any], None] | None) -> None:
+        if key in self.tensors or key in self.values:
+            raise ValueError(f"two state entries flatten to the same key {key!r}")
+        self.values[key] = encode_value(value, key)
+        if setter is not None:
+            self.value_setters[key] = setter
+
+
+def _join(prefix: str, key: Any) -> str:
+    return f"{prefix}.{key}" if prefix else str(key)
+
+
+def _has_tensor(obj: Any) -> bool:
+    if isinstance(obj, torch.Tensor):
+        return True
+    if isinstance(obj, dict):
+        return any(_has_tensor(v) for v in obj.values())
+    if isinstance(obj, (list, tuple)):
+        return any(_has_tensor(v) for v in obj)
+    return False
+
+
+def _stage(t: torch.Tensor) -> torch.Tensor:
+    return t.detach().to("cpu", copy=True)
+
+
+def _tensor_entry(t: torch.Tensor, key: str, *, for_load: bool, stage: bool, flat: FlatState):
+    """The DCP object for one tensor leaf."""
+    if isinstance(t, DTensor):
+        info = {
+            "shape": list(t.shape),
+            "dtype": str(t.dtype).removeprefix("torch."),
+            "mesh_shape": list(t.device_mesh.shape),
+            "placements": [placement_record(p) for p in t.placements],
+        }
+        plugin = any(isinstance(p, PluginPlacement) for p in t.placements)
+        if any(isinstance(p, Partial) for p in t.placements):
+            if for_load:
+                raise ValueError(f"{key}: cannot load into a DTensor with Partial placements")
+            t = t.redistribute(
+                placements=[Replicate() if isinstance(p, Partial) else p for p in t.placements]
+            )
+        if not for_load and (stage or plugin):
+            try:
+                src = t
+                if stage:
+                    from vescale.dtensor._dispatch import make_dtensor
+
+                    src = make_dtensor(
+                        _stage(t._local_tensor), t.device_mesh, t.placements, t.shape, t.stride()
+                    )
+                return chunked_from_dtensor(src, for_load=False), info
+            except UnsupportedLayout:
+                if not plugin:
+                    if stage:
+                        return (
+                            DTensor.from_local(
+                                _stage(t._local_tensor),
+                                t.device_mesh,
+                                t.placements,
+                                run_check=False,
+                                shape=t.shape,
+                                stride=t.stride(),
+                            ),
+                            info,
+                        )
+                    return t, info
+        elif for_load and plugin:
+            try:
+                return chunked_from_dtensor(t, for_load=True), info
+            except UnsupportedLayout:
+                pass
+        elif not plugin:
+            return t, info
+        # A plugin placement whose data is not a set of boxes: go through its fallback.
+        fb_placements = [Replicate() if isinstance(p, PluginPlacement) else p for p in t.placements]
+        fb = t.redistribute(placements=fb_placements)
+        if for_load:
+            target = t
+
+            def copy_back() -> None:
+                back = fb.redistribute(placements=target.placements)
+                target._local_tensor.copy_(back._local_tensor)
+
+            flat.finishers.append(copy_back)
+            return fb, info
+        if stage:
+            fb = DTensor.from_local(
+                _stage(fb._local_tensor),
+                fb.device_mesh,
+                fb.placements,
+                run_check=False,
+                shape=fb.shape,
+                stride=fb.stride(),
+            )
+        return fb, info
+    info = {"shape": list(t.shape), "dtype": str(t.dtype).removeprefix("torch.")}
+    if for_load:
+        return t, info
+    return (_stage(t) if stage else t.detach()), info
+
+
+def _find_owner(opt: torch.optim.Optimizer, modules: list[nn.Module]) -> nn.Module | None:
+    params = {id(p) for g in opt.param_groups for p in g["params"]}
+    for m in modules:
+        if params <= {id(p) for p in m.parameters()}:
+            return m
+    return None
+
+
+def _collect_modules(obj: Any, out: list[nn.Module]) -> None:
+    if isinstance(obj, nn.Module):
+        out.append(obj)
+    elif isinstance(obj, dict):
+        for v in obj.values():
+            _collect_modules(v, out)
+    elif isinstance(obj, (list, tuple)):
+        for v in obj:
+            _collect_modules(v, out)
+
+
+def flatten_state(state: dict[str, Any], *, for_load: bool, stage: bool = False) -> FlatState:
+    """Flatten ``state`` into DCP-ready tensors and JSON values.
+
+    Args:
+        state: ``{"model": module, "optimizer": opt, "step": 100, ...}``.
+        for_load: Build load targets (views of the live objects) instead of save sources.
+        stage: (save only) copy every tensor to CPU, so the live objects may change
+            while the copy is written.
+
+    Returns:
+        The :class:`FlatState`.
+    """
+    if not isinstance(state, dict):
+        raise TypeError(f"state must be a dict, got {type(state).__name__}")
+    flat = FlatState()
+    modules: list[nn.Module] = []
+    _collect_modules(state, modules)
+
+    def walk(obj: Any, key: str, setter: Callable[[Any], None] | None) -> None:
+        if isinstance(obj, torch.Tensor):
+            entry, info = _tensor_entry(obj, key, for_load=for_load, stage=stage, flat=flat)
+            flat.add_tensor(key, entry, info)
+            if for_load and isinstance(entry, ChunkedTensor):
+                flat.finishers.append(entry.finish_load)
+            return
+        if isinstance(obj, nn.Module):
+            sd = obj.state_dict()
+            has_values = any(not isinstance(v, torch.Tensor) for v in sd.values())
+            for k in list(sd):
+                walk(sd[k], _join(key, k), _dict_setter(sd, k))
+            if for_load and has_values:
+                flat.finishers.append(lambda m=obj, sd=sd: m.load_state_dict(sd))
+            return
+        if isinstance(obj, torch.optim.Optimizer):
+            owner = _find_owner(obj, modules)
+            if owner is not None:
+                osd = get_optimizer_state_dict(owner, obj)
+            else:
+                if for_load and not obj.state:
+                    raise ValueError(
+                        f"{key}: cannot load optimizer state into an optimizer without state "
+                        "unless its model is part of the same state dict (state is keyed by "
+                        "parameter name)"
+                    )
+                osd = obj.state_dict()
+            walk(osd["state"], _join(key, "state"), None)
+            flat.add_value(
+                _join(key, "param_groups"),
+                osd["param_groups"],
+                _dict_setter(osd, "param_groups"),
+            )
+            if for_load:
+                if owner is not None:
+                    flat.finishers.append(
+                        lambda m=owner, o=obj, osd=osd: set_optimizer_state_dict(m, o, osd)
+                    )
+                else:
+                    flat.finishers.append(lambda o=obj, osd=osd: o.load_state_dict(osd))
+            return
+        if (
+            not isinstance(obj, (dict, list, tuple))
+            and callable(getattr(obj, "state_dict", None))
+            and callable(getattr(obj, "load_state_dict", None))
+        ):
+            sd = obj.state_dict()
+            walk(sd, key, None)
+            if for_load:
+                flat.finishers.append(lambda o=obj, sd=sd: o.load_state_dict(sd))
+            return
+        if isinstance(obj, dict):
+            if not obj and key:
+                flat.add_value(key, obj, setter)
+                return
+            for k in list(obj):
+                if not isinstance(k, (str, int)):
+                    raise TypeError(f"{key}: state dict key {k!r} must be a str or int")
+                walk(obj[k], _join(key, k), _dict_setter(obj, k))
+            return
+        if isinstance(obj, (list, tuple)) and _has_tensor(obj):
+            if isinstance(obj, tuple) and for_load:
+                raise TypeError(f"{key}: cannot load tensors into a tuple; use a list")
+            for i, v in enumerate(obj):
+                walk(v, _join(key, i), _list_setter(obj, i) if isinstance(obj, list) else None)
+            return
+        flat.add_value(key, obj, setter)
+
+    walk(state, "", None)
+    return flat
+
+
+def _dict_setter(d: dict, k: Any) -> Callable[[Any], None]:
+    def set_(v: Any) -> None:
+        d[k] = v
+
+    return set_
+
+
+def _list_setter(lst: list, i: int) -> Callable[[Any], None]:
+    def set_(v: Any) -> None:
+        lst[i] = v
+
+    return set_
+
+
+def numel_bytes(info: dict[str, Any]) -> int:
+    return (
+        math.prod(info["shape"])
+        * torch.empty((), dtype=getattr(torch, info["dtype"])).element_size()
+    )
