@@ -8,7 +8,7 @@ import torch
 from torch.distributed.tensor import Replicate, Shard
 
 from vescale.checkpoint import flat_range_boxes, local_boxes
-from vescale.checkpoint._geometry import UnsupportedLayout
+from vescale.dtensor.chunks import UnsupportedLayout
 from vescale.ragged import RaggedShard
 
 

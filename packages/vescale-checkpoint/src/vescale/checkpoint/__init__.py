@@ -26,7 +26,6 @@ from vescale.checkpoint._api import (
 )
 from vescale.checkpoint._chunked import ChunkedTensor
 from vescale.checkpoint._export import export
-from vescale.checkpoint._geometry import flat_range_boxes, local_boxes
 from vescale.checkpoint._storage import (
     CheckpointCorruptError,
     CheckpointError,
@@ -36,6 +35,7 @@ from vescale.checkpoint._storage import (
     is_complete,
     read_manifest,
 )
+from vescale.dtensor.chunks import flat_range_boxes, local_boxes
 
 __all__ = [
     "__version__",

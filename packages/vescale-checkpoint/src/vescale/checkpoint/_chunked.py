@@ -24,7 +24,7 @@ from torch.distributed.checkpoint.metadata import (
 from torch.distributed.checkpoint.planner import TensorWriteData, WriteItem, WriteItemType
 from torch.distributed.tensor import DTensor
 
-from vescale.checkpoint._geometry import UnsupportedLayout, local_boxes
+from vescale.dtensor.chunks import UnsupportedLayout, local_boxes
 
 __all__ = ["ChunkedTensor", "chunked_from_dtensor"]
 

@@ -22,8 +22,8 @@ from torch.distributed.checkpoint.state_dict import (
 from torch.distributed.tensor import DTensor, Partial, Replicate
 
 from vescale.checkpoint._chunked import ChunkedTensor, chunked_from_dtensor
-from vescale.checkpoint._geometry import UnsupportedLayout
 from vescale.dtensor import PluginPlacement
+from vescale.dtensor.chunks import UnsupportedLayout
 
 __all__ = ["FlatState", "flatten_state", "encode_value", "decode_value", "placement_record"]
 

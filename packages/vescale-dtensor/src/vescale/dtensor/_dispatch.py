@@ -377,14 +377,22 @@ class PluginDTensor(DTensor):
     def full_tensor(self, *, grad_placements: Sequence[Placement] | None = None) -> torch.Tensor:
         return self.redistribute(placements=[Replicate()] * self._spec.mesh.ndim).to_local()
 
+    # torch.distributed.checkpoint protocol: a rank's data as boxes of the global tensor
+    # (no communication); loading writes into views of the local tensor.
     def __create_write_items__(self, fqn: str, object: Any):
-        raise NotImplementedError(
-            f"{fqn}: saving DTensors with plugin placements {self._spec.placements} through "
-            "torch.distributed.checkpoint needs the placement's chunk metadata; use "
-            "vescale.checkpoint"
-        )
+        from vescale.dtensor.chunks import dcp_write_items
 
-    __create_chunk_list__ = __create_write_items__
+        return dcp_write_items(self, fqn)
+
+    def __create_chunk_list__(self):
+        from vescale.dtensor.chunks import dcp_chunk_list
+
+        return dcp_chunk_list(self)
+
+    def __get_tensor_shard__(self, index):
+        from vescale.dtensor.chunks import dcp_tensor_shard
+
+        return dcp_tensor_shard(self, index)
 
 
 # ------------------------------------------------------------------ autograd functions

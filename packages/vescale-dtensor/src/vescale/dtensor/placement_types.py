@@ -126,6 +126,19 @@ class PluginPlacement(Placement):
         """
         return dim
 
+    def local_flat_ranges(
+        self, logical_shape: tuple[int, ...], num_ranks: int, rank: int
+    ) -> list[tuple[int, int]] | None:
+        """Row-major element ranges ``[start, stop)`` of the logical tensor held by ``rank``.
+
+        In local storage order: the local tensor, flattened, is the concatenation of
+        these ranges. Checkpointing uses it to describe a rank's data as boxes of the
+        global tensor with no communication (see :mod:`vescale.dtensor.chunks`).
+        Return ``None`` (the default) if the local data is not a union of ranges;
+        such tensors are saved after a redistribution to ``Replicate()``.
+        """
+        return None
+
     # ----------------------------------------------------------------- op contract
     def fallback_placement(self, logical_shape: tuple[int, ...]) -> Placement:
         """Placement that operands are converted to for ops outside ``LOCAL_OP_FAMILIES``.

@@ -116,6 +116,11 @@ class RaggedShard(PluginPlacement):
             )
         return (sum(s[0] for s in local_shapes), *local_shapes[0][1:])
 
+    def local_flat_ranges(self, logical_shape, num_ranks, rank):
+        trailing = math.prod(logical_shape[len(self.dims) :])
+        a, b = self.ranges(tuple(logical_shape))[rank]
+        return [(a * trailing, b * trailing)] if b > a else []
+
     def _flat(self, tensor: torch.Tensor) -> torch.Tensor:
         k = len(self.dims)
         return tensor.reshape(math.prod(tensor.shape[:k]), *tensor.shape[k:])

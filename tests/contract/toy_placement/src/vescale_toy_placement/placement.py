@@ -7,6 +7,7 @@ global tensor, so torch's ``Shard`` cannot express this layout.
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 from typing import ClassVar
 
@@ -57,6 +58,28 @@ class BlockCyclic(PluginPlacement):
         first = local_shapes[0]
         total = sum(s[self.dim] for s in local_shapes)
         return tuple(first[: self.dim]) + (total,) + tuple(first[self.dim + 1 :])
+
+    def local_flat_ranges(self, logical_shape, num_ranks, rank):
+        outer = math.prod(logical_shape[: self.dim])
+        length = logical_shape[self.dim]
+        inner = math.prod(logical_shape[self.dim + 1 :])
+        idx = self.owned_indices(length, num_ranks, rank).tolist()
+        runs: list[tuple[int, int]] = []  # consecutive owned indices along dim
+        for i in idx:
+            if runs and runs[-1][1] == i:
+                runs[-1] = (runs[-1][0], i + 1)
+            else:
+                runs.append((i, i + 1))
+        out: list[tuple[int, int]] = []
+        for o in range(outer):
+            base = o * length * inner
+            for a, b in runs:
+                start, stop = base + a * inner, base + b * inner
+                if out and out[-1][1] == start:
+                    out[-1] = (out[-1][0], stop)
+                elif stop > start:
+                    out.append((start, stop))
+        return out
 
     def shard(self, tensor, num_ranks, rank):
         idx = self.owned_indices(tensor.shape[self.dim], num_ranks, rank).to(tensor.device)

@@ -16,14 +16,15 @@ placement has flattened it). Each placement then narrows the regions:
 - ``Replicate``: nothing changes;
 - ``Shard(d)``: local dim ``d`` indexes global dim ``g`` over the same range in
   every region, so each region is cut along ``g`` (torch's chunk semantics);
-- a plugin placement that keeps a contiguous flat range of its logical tensor
-  (the local tensor of the previous mesh dims): the flat range is intersected with
-  the regions and each intersection is split into boxes (partial first row, block
-  of full rows, partial last row, recursively per dim).
+- a plugin placement that keeps flat ranges of its logical tensor (the local tensor
+  of the previous mesh dims): each range is intersected with the regions and each
+  intersection is split into boxes (partial first row, block of full rows, partial
+  last row, recursively per dim).
 
-A plugin placement tells us its flat range through ``local_flat_range(logical_shape,
-num_ranks, rank)`` if it has one, or through RaggedShard's ``dims`` + ``ranges``.
-Anything else is reported as unsupported (the caller then redistributes).
+A plugin placement tells us its data through
+:meth:`~vescale.dtensor.PluginPlacement.local_flat_ranges` (row-major element ranges of
+its logical tensor, in local storage order). A placement that returns ``None`` is
+reported as unsupported (the caller then redistributes).
 """
 
 from __future__ import annotations
@@ -32,11 +33,20 @@ import math
 from collections.abc import Sequence
 from dataclasses import dataclass
 
+import torch
 from torch.distributed.tensor import Placement, Replicate, Shard
 
 from vescale.dtensor import PluginPlacement
 
-__all__ = ["Box", "UnsupportedLayout", "flat_range_boxes", "local_boxes"]
+__all__ = [
+    "Box",
+    "UnsupportedLayout",
+    "flat_range_boxes",
+    "local_boxes",
+    "dcp_write_items",
+    "dcp_chunk_list",
+    "dcp_tensor_shard",
+]
 
 
 @dataclass(frozen=True)
@@ -110,27 +120,17 @@ def flat_range_boxes(
     return out
 
 
-def _plugin_flat_range(
+def _plugin_flat_ranges(
     p: PluginPlacement, logical_shape: tuple[int, ...], n: int, rank: int
-) -> tuple[int, int]:
-    """Flat element range ``[a, b)`` of the logical tensor that ``rank`` holds."""
-    fn = getattr(p, "local_flat_range", None)
-    if callable(fn):
-        a, b = fn(logical_shape, n, rank)
-        return int(a), int(b)
-    dims = getattr(p, "dims", None)
-    ranges = getattr(p, "ranges", None)
-    if isinstance(dims, tuple) and callable(ranges):
-        k = len(dims)
-        if dims != tuple(range(k)):
-            raise UnsupportedLayout(f"{p}: flattened dims {dims} are not a leading prefix")
-        a, b = ranges(logical_shape)[rank]
-        trailing = math.prod(logical_shape[k:])
-        return int(a) * trailing, int(b) * trailing
-    raise UnsupportedLayout(
-        f"{p} ({type(p).__qualname__}) does not describe its local data as a flat range "
-        "(no local_flat_range(logical_shape, num_ranks, rank) method)"
-    )
+) -> list[tuple[int, int]]:
+    """Flat element ranges of the logical tensor that ``rank`` holds, in local order."""
+    ranges = p.local_flat_ranges(logical_shape, n, rank)
+    if ranges is None:
+        raise UnsupportedLayout(
+            f"{p} ({type(p).__qualname__}) does not describe its local data as flat ranges "
+            "(local_flat_ranges returned None)"
+        )
+    return [(int(a), int(b)) for a, b in ranges]
 
 
 def local_boxes(
@@ -166,22 +166,24 @@ def local_boxes(
             continue
         if isinstance(p, PluginPlacement):
             p.check_shape(local_shape, n)
-            a, b = _plugin_flat_range(p, local_shape, n, c)
+            ranges = _plugin_flat_ranges(p, local_shape, n, c)
             new_local = tuple(int(s) for s in p.local_shape(local_shape, n, c))
-            if math.prod(new_local) != b - a:
+            held = sum(b - a for a, b in ranges)
+            if math.prod(new_local) != held:
                 raise UnsupportedLayout(
-                    f"{p}: local shape {new_local} does not hold the {b - a} elements of its "
-                    f"flat range [{a}, {b})"
+                    f"{p}: local shape {new_local} does not hold the {held} elements of its "
+                    f"flat ranges {ranges}"
                 )
             new_regions = []
-            pos = 0
-            for off, size in regions:
-                m = math.prod(size)
-                s, e = max(a, pos), min(b, pos + m)
-                if s < e:
-                    for boff, bsize in flat_range_boxes(size, s - pos, e - pos):
-                        new_regions.append((tuple(x + y for x, y in zip(off, boff)), bsize))
-                pos += m
+            for a, b in ranges:
+                pos = 0
+                for off, size in regions:
+                    m = math.prod(size)
+                    s, e = max(a, pos), min(b, pos + m)
+                    if s < e:
+                        for boff, bsize in flat_range_boxes(size, s - pos, e - pos):
+                            new_regions.append((tuple(x + y for x, y in zip(off, boff)), bsize))
+                    pos += m
             regions = new_regions
             new_gdim: list[int | None] = [None] * len(new_local)
             for d, g in enumerate(gdim_of):
@@ -225,3 +227,83 @@ def local_boxes(
             f"{math.prod(local_shape)}"
         )
     return boxes, local_shape
+
+
+# ---------------------------------------------------------------------- DCP protocol
+def _dtensor_boxes(dt) -> tuple[list[Box], torch.Tensor]:
+    for p in dt.placements:
+        if p.is_partial():
+            raise ValueError(
+                "Any checkpointing related operations are not supported for DTensor with "
+                f"partial placements ({list(dt.placements)}); redistribute first"
+            )
+    mesh = dt.device_mesh
+    coord = mesh.get_coordinate()
+    if coord is None:
+        raise UnsupportedLayout("this rank is not part of the DTensor's mesh")
+    try:
+        boxes, local_shape = local_boxes(dt.shape, mesh.shape, coord, dt.placements)
+    except UnsupportedLayout as exc:
+        raise NotImplementedError(
+            f"torch.distributed.checkpoint cannot save or load a DTensor with placements "
+            f"{list(dt.placements)} directly: {exc}. Use vescale.checkpoint, which "
+            "redistributes such tensors."
+        ) from exc
+    local = dt._local_tensor
+    if tuple(local.shape) != tuple(local_shape):
+        raise UnsupportedLayout(
+            f"local tensor of shape {tuple(local.shape)} but the placements imply {local_shape}"
+        )
+    if not local.is_contiguous():
+        raise NotImplementedError(
+            "torch.distributed.checkpoint needs a contiguous local tensor for plugin placements"
+        )
+    return boxes, local.view(-1)
+
+
+def dcp_write_items(dt, fqn: str) -> list:
+    """DCP ``__create_write_items__`` for a DTensor with plugin placements: one item per box."""
+    from torch.distributed.checkpoint.metadata import (
+        ChunkStorageMetadata,
+        MetadataIndex,
+        TensorProperties,
+    )
+    from torch.distributed.checkpoint.planner import TensorWriteData, WriteItem, WriteItemType
+
+    boxes, flat = _dtensor_boxes(dt)
+    props = TensorProperties.create_from_tensor(flat)
+    return [
+        WriteItem(
+            index=MetadataIndex(fqn, torch.Size(b.offsets)),
+            type=WriteItemType.SHARD,
+            tensor_data=TensorWriteData(
+                chunk=ChunkStorageMetadata(
+                    offsets=torch.Size(b.offsets), sizes=torch.Size(b.sizes)
+                ),
+                properties=props,
+                size=dt.shape,
+            ),
+        )
+        for b in boxes
+    ]
+
+
+def dcp_chunk_list(dt) -> list:
+    """DCP ``__create_chunk_list__``: the boxes this rank holds."""
+    from torch.distributed.checkpoint.metadata import ChunkStorageMetadata
+
+    boxes, _ = _dtensor_boxes(dt)
+    return [
+        ChunkStorageMetadata(offsets=torch.Size(b.offsets), sizes=torch.Size(b.sizes))
+        for b in boxes
+    ]
+
+
+def dcp_tensor_shard(dt, index) -> torch.Tensor:
+    """DCP ``__get_tensor_shard__``: a view of the local data of the box at ``index.offset``."""
+    boxes, flat = _dtensor_boxes(dt)
+    want = tuple(index.offset)
+    for b in boxes:
+        if b.offsets == want:
+            return flat[b.local_start : b.local_start + b.numel].view(b.sizes)
+    raise ValueError(f"{index.fqn}: this rank holds no box at offsets {want}")
