@@ -10,6 +10,7 @@ from vescale.dtensor import (
     DTensor,
     Partial,
     Replicate,
+    Shard,
     distribute_tensor,
     init_device_mesh,
     placement_registry,
@@ -196,3 +197,24 @@ def test_optimizers_step_on_ragged_parameters(opt):
     if "exp_avg" in st:
         assert st["exp_avg"].placements == (placements[0],)
         assert torch.allclose(st["exp_avg"].full_tensor(), o_ref.state[dense[0]]["exp_avg"])
+
+
+def test_placements_pickle_and_copy():
+    import copy
+    import pickle
+
+    p = RaggedShard((0, 1), (2, 0, 1))
+    assert pickle.loads(pickle.dumps(p)) == p
+    assert copy.deepcopy(p) is p and copy.copy(p) is p
+    assert pickle.loads(pickle.dumps([p, Shard(1)])) == [p, Shard(1)]
+
+
+@distributed(2)
+def test_deepcopy_of_ragged_parameter():
+    import copy
+
+    mesh = init_device_mesh("cpu", (2,))
+    p = torch.nn.Parameter(distribute_tensor(torch.randn(4, 3), mesh, [RaggedShard((0,), (1, 1))]))
+    q = copy.deepcopy(p)
+    assert q.placements == p.placements and q.to_local().data_ptr() != p.to_local().data_ptr()
+    assert torch.equal(q.full_tensor(), p.full_tensor())

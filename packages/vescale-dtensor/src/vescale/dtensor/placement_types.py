@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 from typing import TYPE_CHECKING, ClassVar
 
 import torch
@@ -59,6 +60,21 @@ class PluginPlacement(Placement):
         # dataclass-generated __init__ methods never call super().__init__().
         Placement.__init__(self)
         return self
+
+    # Placements are immutable values: copies are the object itself, and pickling
+    # rebuilds from the dataclass fields (the pybind11 base cannot pickle itself).
+    def __copy__(self) -> PluginPlacement:
+        return self
+
+    def __deepcopy__(self, memo: dict) -> PluginPlacement:
+        return self
+
+    def __reduce__(self) -> tuple:
+        if dataclasses.is_dataclass(self):
+            kwargs = {f.name: getattr(self, f.name) for f in dataclasses.fields(self) if f.init}
+        else:
+            kwargs = {}
+        return (_rebuild_placement, (type(self), kwargs))
 
     def __init_subclass__(cls, **kwargs: object) -> None:
         super().__init_subclass__(**kwargs)
@@ -149,6 +165,10 @@ class PluginPlacement(Placement):
 
     def __str__(self) -> str:
         return repr(self)
+
+
+def _rebuild_placement(cls: type[PluginPlacement], kwargs: dict) -> PluginPlacement:
+    return cls(**kwargs)
 
 
 def is_plugin_placement(p: Placement) -> bool:
