@@ -1,0 +1,294 @@
+"""``parallelize_module`` / ``DModule``: shard an unmodified module by a plan."""
+
+from __future__ import annotations
+
+import dataclasses
+import warnings
+from typing import Any
+
+import torch
+from torch import nn
+from torch.distributed.device_mesh import DeviceMesh
+from torch.distributed.tensor import DTensor
+
+from vescale.dmodule import _plan
+from vescale.dmodule._auto_plan import resolve_tp_dim
+from vescale.dmodule._grad_sync import PartialGradSync
+from vescale.dmodule._hooks import ImplicitReplicationHooks, make_input_hook, make_output_hook
+from vescale.dtensor import distribute_tensor, get_plugin_manager, register_plugin
+
+__all__ = ["DModule", "parallelize_module", "dump_plan", "is_dmodule"]
+
+_STATE = "_vescale_dmodule"
+_OPTIONS = {
+    "tp_dim": "tp",
+    "sequence_parallel": False,
+    "auto_plan": None,
+    "grad_sync": True,
+    "implicit_replication": True,
+    "allow_uneven_shards": False,
+    "src_data_rank": 0,
+}
+
+
+@dataclasses.dataclass
+class _State:
+    mesh: DeviceMesh
+    plan: dict[str, dict[str, Any]]
+    resolved: _plan.ResolvedPlan
+    options: dict[str, Any]
+    grad_sync: PartialGradSync
+    handles: list = dataclasses.field(default_factory=list)
+
+
+class DModule:
+    """A module parallelized in place by :func:`parallelize_module`.
+
+    ``DModule(model, device_mesh, sharding_plan=None, **options)`` is the same call as
+    ``parallelize_module(...)``: it shards ``model``'s parameters **in place** and
+    returns ``model`` itself. The object keeps its identity, its attributes and its
+    class's code; its class is swapped for a cached subclass of both ``DModule`` and
+    the original class (as FSDP2's ``fully_shard`` does), so
+    ``isinstance(model, MyModel)`` and ``isinstance(model, DModule)`` both hold and
+    the methods below are available.
+    """
+
+    def __new__(cls, *args: Any, **kwargs: Any):
+        if cls is DModule:
+            return parallelize_module(*args, **kwargs)
+        return super().__new__(cls)
+
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        if args and args[0] is self:  # DModule(model, ...) returned `model` itself
+            return
+        super().__init__(*args, **kwargs)
+
+    def dump_plan(self) -> str:
+        """Applied placements per parameter/buffer and per module input/output."""
+        return dump_plan(self)  # type: ignore[arg-type]
+
+    def finish_grad_sync(self) -> int:
+        """Reduce ``Partial`` gradients now (bucketed); returns collectives issued.
+
+        Runs automatically at the end of each backward unless the module was
+        parallelized with ``grad_sync=False``; calling it again is a no-op.
+        """
+        return getattr(self, _STATE).grad_sync.sync()
+
+
+_CLASS_CACHE: dict[type, type] = {}
+
+
+def _dmodule_class(cls: type) -> type:
+    if issubclass(cls, DModule):
+        return cls
+    new = _CLASS_CACHE.get(cls)
+    if new is None:
+        new = type(f"DModule{cls.__name__}", (DModule, cls), {"__module__": cls.__module__})
+        new.__qualname__ = f"DModule{cls.__qualname__}"
+        _CLASS_CACHE[cls] = new
+    return new
+
+
+def is_dmodule(model: nn.Module) -> bool:
+    """True if ``model`` was parallelized by :func:`parallelize_module`."""
+    return _STATE in getattr(model, "__dict__", {})
+
+
+def _ensure_plugin() -> None:
+    from vescale.dmodule import _plugin
+
+    pm = get_plugin_manager()
+    if not pm.is_registered(_plugin):
+        register_plugin(_plugin, name="dmodule")
+
+
+def parallelize_module(
+    model: nn.Module,
+    device_mesh: DeviceMesh,
+    sharding_plan: dict[str, Any] | None = None,
+    **options: Any,
+) -> nn.Module:
+    """Shard ``model`` over ``device_mesh`` by ``sharding_plan``, in place.
+
+    Parameters become DTensor parameters with the planned placements (unplanned
+    parameters and buffers: ``Replicate()`` on every mesh dim); forward pre/post
+    hooks move the planned module inputs and outputs to their placements. The
+    model's class and code are untouched (see :class:`DModule`). Build the
+    optimizer **after** this call: parameters are new objects.
+
+    Plan format::
+
+        {
+            "parameter": {r"blocks\\.\\d+\\.attn\\.q_proj\\.weight": [Shard(0)]},
+            "forward": {
+                "fc1.input": [[Replicate()]],            # per positional arg; None skips
+                r"blocks\\.\\d+\\.attn.input": {"x": [Shard(1)]},  # by argument name
+                "fc2.output": [[Replicate()]],           # per output; a dict for dict outputs
+            },
+        }
+
+    Keys are regexes that full-match ``named_modules()`` names plus a suffix: a
+    parameter or buffer name for the parameter section, ``.input``/``.output`` for
+    the forward section (``input``/``output`` alone is the root module). The first
+    matching key wins. A flat dict of parameter keys is the parameter section.
+    Plain tensors given to a planned input are taken as the same full value on
+    every rank (``Replicate()``) and redistributed.
+
+    Args:
+        model: The module to parallelize (parameters as plain tensors).
+        device_mesh: The device mesh.
+        sharding_plan: The plan; ``None`` derives one through the
+            ``vescale_sharding_plan`` hook (Megatron TP/SP for transformer-style
+            models).
+        **options: ``tp_dim`` (name or index of the tensor-parallel mesh dim for
+            automatic plans; default ``"tp"``, or the last dim if no dim has that
+            name), ``sequence_parallel`` (automatic plans; default ``False``),
+            ``auto_plan`` (``True`` merges the automatic plan under a user plan,
+            user keys winning; default: only when ``sharding_plan`` is ``None``),
+            ``grad_sync`` (reduce ``Partial`` gradients after each backward; default
+            ``True``), ``implicit_replication`` (plain tensors made inside forward
+            act as replicated; default ``True``), ``allow_uneven_shards`` (default
+            ``False``), ``src_data_rank`` (rank whose parameter values are
+            distributed; ``None``: each rank's own; default ``0``).
+
+    Returns:
+        ``model`` itself, now also an instance of :class:`DModule`.
+
+    Raises:
+        ValueError: The plan has an unknown section, a key that matches nothing
+            (the nearest names are suggested), a placement list whose length is not
+            the mesh's ndim, a shard dim out of range or not dividing the tensor.
+            All checks run before any communication.
+        TypeError: Unknown option, or malformed plan entries.
+    """
+    unknown = set(options) - set(_OPTIONS)
+    if unknown:
+        raise TypeError(
+            f"unknown parallelize_module option(s) {sorted(unknown)}; known: {sorted(_OPTIONS)}"
+        )
+    opts = {**_OPTIONS, **options}
+    if not isinstance(model, nn.Module):
+        raise TypeError(f"expected an nn.Module, got {type(model).__name__}")
+    if is_dmodule(model):
+        warnings.warn(
+            f"{type(model).__qualname__} is already parallelized; parallelize_module does nothing",
+            stacklevel=2,
+        )
+        return model
+    if not isinstance(device_mesh, DeviceMesh):
+        raise TypeError(f"expected a DeviceMesh, got {type(device_mesh).__name__}")
+
+    plan = _plan.normalize_plan(sharding_plan)
+    use_auto = opts["auto_plan"] if opts["auto_plan"] is not None else sharding_plan is None
+    if use_auto:
+        _ensure_plugin()
+        tp = resolve_tp_dim(device_mesh, opts["tp_dim"])
+        auto = get_plugin_manager().hook.vescale_sharding_plan(
+            model=model,
+            device_mesh=device_mesh,
+            tp_dim=tp,
+            sequence_parallel=bool(opts["sequence_parallel"]),
+        )
+        if auto:
+            plan = _plan.merge_plans(plan, _plan.normalize_plan(auto))
+    resolved = _plan.resolve_plan(
+        model, device_mesh, plan, allow_uneven=bool(opts["allow_uneven_shards"])
+    )
+
+    # ---- from here on: communication (parameter distribution), no more validation.
+    modules = dict(model.named_modules(remove_duplicate=False))
+    new_params: list[nn.Parameter] = []
+    for entry in resolved.params:
+        mod_name, _, attr = entry.names[0].rpartition(".")
+        table = "_parameters" if entry.kind == "parameter" else "_buffers"
+        old = getattr(modules[mod_name], table)[attr]
+        if isinstance(old, DTensor):
+            new = (
+                old
+                if tuple(old.placements) == entry.placements
+                else old.redistribute(device_mesh, entry.placements)
+            )
+        else:
+            with torch.no_grad():
+                new = distribute_tensor(
+                    old.detach(), device_mesh, entry.placements, src_data_rank=opts["src_data_rank"]
+                )
+        if entry.kind == "parameter":
+            new = nn.Parameter(new, requires_grad=old.requires_grad)
+            new_params.append(new)
+        for name in entry.names:
+            mod_name, _, attr = name.rpartition(".")
+            getattr(modules[mod_name], table)[attr] = new
+
+    handles = []
+    done: set[tuple[int, str]] = set()
+    for name, (_key, spec) in resolved.inputs.items():
+        mod = modules[name]
+        if (id(mod), "in") in done:
+            continue
+        done.add((id(mod), "in"))
+        handles.append(
+            mod.register_forward_pre_hook(make_input_hook(mod, spec, device_mesh), with_kwargs=True)
+        )
+    for name, (_key, spec) in resolved.outputs.items():
+        mod = modules[name]
+        if (id(mod), "out") in done:
+            continue
+        done.add((id(mod), "out"))
+        handles.append(mod.register_forward_hook(make_output_hook(spec, device_mesh)))
+    if opts["implicit_replication"]:
+        ir = ImplicitReplicationHooks(device_mesh)
+        handles.append(model.register_forward_pre_hook(ir.pre, prepend=True))
+        handles.append(model.register_forward_hook(ir.post, always_call=True))
+
+    sync = PartialGradSync(new_params, device_mesh, auto=bool(opts["grad_sync"]))
+    model.__dict__[_STATE] = _State(device_mesh, plan, resolved, opts, sync, handles)
+    model.__class__ = _dmodule_class(type(model))
+    return model
+
+
+def _fmt(placements) -> str:
+    if placements is None:
+        return "None"
+    return "[" + ", ".join(str(p) for p in placements) + "]"
+
+
+def _fmt_spec(spec) -> str:
+    if isinstance(spec, dict):
+        return "{" + ", ".join(f"{k!r}: {_fmt(v)}" for k, v in spec.items()) + "}"
+    return "[" + ", ".join(_fmt(v) for v in spec) + "]"
+
+
+def dump_plan(model: nn.Module) -> str:
+    """Describe what :func:`parallelize_module` applied to ``model``.
+
+    One line per parameter/buffer (its names, placements, global and local shape,
+    and the plan key that chose them) and per planned module input/output.
+
+    Raises:
+        ValueError: ``model`` was not parallelized.
+    """
+    state: _State | None = model.__dict__.get(_STATE)
+    if state is None:
+        raise ValueError(f"{type(model).__qualname__} was not parallelized by parallelize_module")
+    modules = dict(model.named_modules(remove_duplicate=False))
+    lines = [f"mesh: {_plan._mesh_desc(state.mesh)}", "parameters and buffers:"]
+    for e in state.resolved.params:
+        mod_name, _, attr = e.names[0].rpartition(".")
+        table = "_parameters" if e.kind == "parameter" else "_buffers"
+        t = getattr(modules[mod_name], table)[attr]
+        local = tuple(t.to_local().shape) if isinstance(t, DTensor) else tuple(t.shape)
+        alias = f" (= {', '.join(e.names[1:])})" if len(e.names) > 1 else ""
+        why = f"plan key {e.key!r}" if e.key else "default"
+        kind = "" if e.kind == "parameter" else " [buffer]"
+        lines.append(
+            f"  {e.names[0]}{alias}{kind}: {_fmt(e.placements)} global {tuple(e.shape)} "
+            f"local {local}  <- {why}"
+        )
+    lines.append("forward:")
+    for io, table in (("input", state.resolved.inputs), ("output", state.resolved.outputs)):
+        for name, (key, spec) in table.items():
+            label = f"{name}.{io}" if name else io
+            lines.append(f"  {label}: {_fmt_spec(spec)}  <- plan key {key!r}")
+    return "\n".join(lines)

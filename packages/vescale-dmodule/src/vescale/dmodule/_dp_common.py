@@ -1,0 +1,177 @@
+"""Shared pieces of the data-parallel engines (:mod:`._ddp`, :mod:`._fsdp`).
+
+* input validation that runs before any collective (mesh dim by name or index,
+  one device for all parameters, a module is wrapped only once);
+* parameter paths: every ``(submodule, attribute)`` under which a parameter is
+  registered, so that tied weights are swapped together;
+* :class:`MixedPrecision`;
+* :func:`dp_memory_bytes`, the per-rank accounting of parameters, gradients and
+  optimizer state used by the tests and the benchmark.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Iterable
+
+import torch
+from torch import nn
+from torch.distributed.device_mesh import DeviceMesh
+from torch.distributed.tensor import DTensor
+
+__all__ = [
+    "DP_STATE_ATTR",
+    "MixedPrecision",
+    "resolve_dp_dim",
+    "check_not_wrapped",
+    "check_one_device",
+    "param_paths",
+    "swap_param",
+    "dp_memory_bytes",
+    "local_tensor",
+]
+
+#: Attribute (in the module's ``__dict__``) holding the DDP/FSDP engine of a module.
+DP_STATE_ATTR = "_vescale_dp_state"
+
+
+@dataclasses.dataclass(frozen=True)
+class MixedPrecision:
+    """Mixed-precision policy of :func:`~vescale.dmodule._fsdp.fully_shard`.
+
+    Args:
+        param_dtype: dtype of the unsharded (compute) parameters; the sharded
+            parameters stay in their own dtype (fp32 masters). ``None``: no cast.
+        reduce_dtype: dtype of the gradient reduce-scatter; ``None``: ``param_dtype``.
+        cast_forward_inputs: Cast floating-point tensor inputs of every sharded
+            group to ``param_dtype``.
+    """
+
+    param_dtype: torch.dtype | None = None
+    reduce_dtype: torch.dtype | None = None
+    cast_forward_inputs: bool = True
+
+
+def resolve_dp_dim(mesh: DeviceMesh, dp_dim: int | str) -> int:
+    """Index of ``dp_dim`` (a name or an index) in ``mesh``; ``ValueError`` otherwise."""
+    if not isinstance(mesh, DeviceMesh):
+        raise TypeError(f"expected a DeviceMesh, got {type(mesh).__name__}")
+    names = tuple(mesh.mesh_dim_names or ())
+    if isinstance(dp_dim, str):
+        if dp_dim not in names:
+            raise ValueError(
+                f"data-parallel mesh dim {dp_dim!r} is not in the mesh (dims: {names or 'unnamed'}, "
+                f"shape {tuple(mesh.shape)})"
+            )
+        return names.index(dp_dim)
+    if isinstance(dp_dim, bool) or not isinstance(dp_dim, int):
+        raise TypeError(f"dp_dim must be a mesh dim name or index, got {dp_dim!r}")
+    if not 0 <= dp_dim < mesh.ndim:
+        raise ValueError(f"data-parallel mesh dim {dp_dim} out of range for a {mesh.ndim}-dim mesh")
+    return dp_dim
+
+
+def check_not_wrapped(module: nn.Module, what: str) -> None:
+    """Raise if ``module`` or one of its submodules already has a DDP/FSDP engine."""
+    for name, sub in module.named_modules():
+        state = sub.__dict__.get(DP_STATE_ATTR)
+        if state is not None:
+            where = f"submodule {name!r}" if name else "the module"
+            raise ValueError(
+                f"{what}: {where} is already data-parallel ({type(state).__name__}); "
+                "a module can be wrapped by replicate()/fully_shard() only once"
+            )
+
+
+def local_tensor(t: torch.Tensor) -> torch.Tensor:
+    """The rank-local tensor of ``t`` (``t`` itself if it is not a DTensor)."""
+    return t._local_tensor if isinstance(t, DTensor) else t
+
+
+def check_one_device(module: nn.Module, mesh: DeviceMesh, what: str) -> torch.device:
+    """All parameters on one device of the mesh's type; returns it."""
+    devices: dict[torch.device, str] = {}
+    for name, p in module.named_parameters():
+        devices.setdefault(local_tensor(p).device, name)
+    if len(devices) > 1:
+        desc = ", ".join(f"{d} (e.g. {n!r})" for d, n in devices.items())
+        raise ValueError(f"{what}: parameters are on different devices: {desc}; move them to one")
+    if not devices:
+        raise ValueError(f"{what}: the module has no parameters")
+    (device,) = devices
+    if device.type != mesh.device_type:
+        raise ValueError(
+            f"{what}: parameters are on {device} but the mesh is of type {mesh.device_type!r}"
+        )
+    return device
+
+
+def param_paths(module: nn.Module) -> dict[int, list[tuple[nn.Module, str, str]]]:
+    """``id(param) -> [(owner module, attribute, qualified name), ...]`` incl. tied aliases."""
+    out: dict[int, list[tuple[nn.Module, str, str]]] = {}
+    for mod_name, mod in module.named_modules(remove_duplicate=False):
+        for attr, p in mod._parameters.items():
+            if p is None:
+                continue
+            qual = f"{mod_name}.{attr}" if mod_name else attr
+            paths = out.setdefault(id(p), [])
+            if not any(m is mod and a == attr for m, a, _ in paths):
+                paths.append((mod, attr, qual))
+    return out
+
+
+def swap_param(paths: Iterable[tuple[nn.Module, str, str]], value: torch.Tensor) -> None:
+    """Register ``value`` under every path (no ``nn.Parameter`` checks, no copies)."""
+    for mod, attr, _ in paths:
+        mod._parameters[attr] = value  # type: ignore[assignment]
+
+
+def _storage_key(t: torch.Tensor) -> tuple[int, int] | None:
+    t = local_tensor(t)
+    if t.device.type == "meta":
+        return None
+    s = t.untyped_storage()
+    return (s.data_ptr(), s.nbytes())
+
+
+def dp_memory_bytes(
+    module: nn.Module, optimizer: torch.optim.Optimizer | None = None
+) -> dict[str, int]:
+    """Per-rank bytes of parameters, gradients, optimizer state and engine buffers.
+
+    Every tensor is counted by its whole storage (so a view of a flat buffer counts
+    the buffer) and every storage once, in the first category that reaches it:
+    ``params``, ``grads``, ``optim`` (optimizer state), then ``engine`` (buffers a
+    DDP/FSDP engine holds beyond those, e.g. unsharded buffers still allocated).
+
+    Returns:
+        ``{"params", "grads", "optim", "engine", "total"}`` in bytes.
+    """
+    seen: set[tuple[int, int]] = set()
+    out = {"params": 0, "grads": 0, "optim": 0, "engine": 0}
+
+    def add(kind: str, t: torch.Tensor | None) -> None:
+        if t is None or not isinstance(t, torch.Tensor):
+            return
+        key = _storage_key(t)
+        if key is None or key in seen or key[1] == 0:
+            return
+        seen.add(key)
+        out[kind] += key[1]
+
+    params = list(module.parameters())
+    for p in params:
+        add("params", p)
+    for p in params:
+        add("grads", p.grad)
+    if optimizer is not None:
+        for st in optimizer.state.values():
+            for v in st.values():
+                add("optim", v)
+    for sub in module.modules():
+        state = sub.__dict__.get(DP_STATE_ATTR)
+        if state is not None:
+            for t in state.engine_tensors():
+                add("engine", t)
+    out["total"] = sum(out.values())
+    return out
