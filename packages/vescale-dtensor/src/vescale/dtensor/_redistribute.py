@@ -232,7 +232,9 @@ def get_plan(
     ndim = len(global_shape)
     src_t = _normalize(src, ndim)
     dst_t = _normalize(dst, ndim)
-    key = (mesh, src_t, dst_t, tuple(global_shape))
+    # Keyed by mesh identity: an equal mesh re-created later has other process groups.
+    # The plan holds its mesh, so the id cannot be reused while the entry lives.
+    key = (id(mesh), src_t, dst_t, tuple(global_shape))
     plan = _plan_cache.get(key)
     if plan is None:
         plan = _build_plan(mesh, src_t, dst_t, tuple(int(s) for s in global_shape))

@@ -88,6 +88,62 @@ def reduce_scatter_step(local: torch.Tensor, ctx: StepContext) -> torch.Tensor:
     return out[: counts[r]].reshape(_local_shape(ctx.dst, shape, n, r))
 
 
+def _root(p: RaggedShard) -> int:
+    return next(i for i, u in enumerate(p.local_units) if u)
+
+
+def _shard_pieces(shape: tuple[int, ...], d: int, n: int) -> list[tuple[int, ...]]:
+    out = []
+    for q in range(n):
+        size, _ = shard_size_and_offset(shape[d], n, q)
+        out.append(shape[:d] + (size,) + shape[d + 1 :])
+    return out
+
+
+def shard_to_root_step(local: torch.Tensor, ctx: StepContext) -> torch.Tensor:
+    """``Shard(d) -> RaggedShard((), one-hot)``: every rank sends its shard to the root only."""
+    n, r, shape = ctx.num_ranks, ctx.rank, tuple(ctx.logical_shape)
+    root, d = _root(ctx.dst), ctx.src.dim  # type: ignore[arg-type, attr-defined]
+    pieces = _shard_pieces(shape, d, n)
+    numels = [math.prod(p) for p in pieces]
+    send = [local.numel() if q == root else 0 for q in range(n)]
+    recv = [numels[q] if r == root else 0 for q in range(n)]
+    out = funcol.all_to_all_single(
+        local.contiguous().reshape(-1),
+        output_split_sizes=recv,
+        input_split_sizes=send,
+        group=(ctx.mesh, ctx.mesh_dim),
+    )
+    out = funcol.wait_tensor(out)
+    if r != root:
+        return local.new_empty((0, *shape))
+    parts = [t.view(p) for t, p in zip(out.split(numels), pieces)]
+    return torch.cat(parts, dim=d).reshape(1, *shape)
+
+
+def root_to_shard_step(local: torch.Tensor, ctx: StepContext) -> torch.Tensor:
+    """``RaggedShard((), one-hot) -> Shard(d)``: the root sends every rank its shard only."""
+    n, r, shape = ctx.num_ranks, ctx.rank, tuple(ctx.logical_shape)
+    root, d = _root(ctx.src), ctx.dst.dim  # type: ignore[arg-type, attr-defined]
+    pieces = _shard_pieces(shape, d, n)
+    numels = [math.prod(p) for p in pieces]
+    if r == root:
+        full = local.reshape(shape)
+        chunks = [c.contiguous().reshape(-1) for c in torch.split(full, [p[d] for p in pieces], d)]
+        flat = torch.cat(chunks) if chunks else local.reshape(-1)
+        send = numels
+    else:
+        flat, send = local.reshape(-1), [0] * n
+    recv = [numels[r] if q == root else 0 for q in range(n)]
+    out = funcol.all_to_all_single(
+        flat.contiguous(),
+        output_split_sizes=recv,
+        input_split_sizes=send,
+        group=(ctx.mesh, ctx.mesh_dim),
+    )
+    return funcol.wait_tensor(out).view(pieces[r])
+
+
 def step_for(src: Placement, dst: Placement):
     """Direct steps this package answers; ``None`` routes through ``Replicate()``."""
     if isinstance(dst, RaggedShard):
@@ -97,4 +153,9 @@ def step_for(src: Placement, dst: Placement):
             return range_exchange_step
     elif isinstance(src, RaggedShard) and type(dst) is Shard and dst.dim == 0:
         return range_exchange_step
+    # whole tensor on one root (Muon's gather/scatter) <-> Shard(d) for any d
+    if isinstance(dst, RaggedShard) and dst.dims == () and type(src) is Shard:
+        return shard_to_root_step
+    if isinstance(src, RaggedShard) and src.dims == () and type(dst) is Shard:
+        return root_to_shard_step
     return None

@@ -71,6 +71,15 @@ def _reset_distributed_state(dist: Any) -> None:
     rnd = sys.modules.get("torch.distributed.tensor._random")
     if rnd is not None and hasattr(rnd, "_rng_tracker"):
         rnd._rng_tracker = None
+    # Sharding-propagation caches (Python and C++ fast path) and vescale's plan cache
+    # remember meshes whose groups were just destroyed.
+    dbg = sys.modules.get("torch.distributed.tensor.debug")
+    if dbg is not None and hasattr(dbg, "_clear_sharding_prop_cache"):
+        with contextlib.suppress(Exception):
+            dbg._clear_sharding_prop_cache()
+    redist = sys.modules.get("vescale.dtensor._redistribute")
+    if redist is not None:
+        redist._clear_caches()
 
 
 def _worker_main(

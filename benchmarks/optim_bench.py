@@ -1,0 +1,193 @@
+"""vescale.optim benchmarks on CPU ranks (gloo).
+
+1. ZeRO: ``DistributedOptimizer(AdamW)`` vs DDP-like plain replication (every rank runs
+   ``torch.optim.AdamW`` on the full parameters after an all-reduce of the gradients),
+   same parameters and gradients, alternating. Reports per-rank optimizer-state bytes
+   (+ master) against ``8 * P`` (replicated fp32 AdamW state) and step time.
+2. Muon: ``vescale.optim.Muon`` (each matrix gathered to one load-balanced root rank)
+   vs the naive approach where every rank all-gathers every matrix and runs
+   Newton–Schulz on all of them. Reports step time and the ratio.
+
+    OMP_NUM_THREADS=1 python benchmarks/optim_bench.py --ranks 2 4 --mparams 4 --iters 5
+"""
+
+from __future__ import annotations
+
+import argparse
+import time
+
+import torch
+import torch.distributed as dist
+
+from vescale.dtensor.testing import run_on_ranks
+
+
+def _time(fn, iters: int) -> float:
+    fn()  # warm-up (creates optimizer state)
+    dist.barrier()
+    t0 = time.perf_counter()
+    for _ in range(iters):
+        fn()
+    dist.barrier()
+    return (time.perf_counter() - t0) / iters
+
+
+def _zero_body(mparams: float, iters: int):
+    from vescale.dtensor import Replicate, distribute_tensor, init_device_mesh
+    from vescale.optim import DistributedOptimizer
+
+    n = dist.get_world_size()
+    mesh = init_device_mesh("cpu", (n,), mesh_dim_names=("dp",))
+    width = 1024
+    rows = max(1, int(mparams * 1e6 / width / 8))
+    shapes = [(rows, width)] * 8 + [(width,)] * 4
+    torch.manual_seed(0)
+    full = [torch.randn(s) * 0.02 for s in shapes]
+    grads = [torch.randn(s) for s in shapes]
+    P = sum(t.numel() for t in full)
+
+    # ours
+    ps = [torch.nn.Parameter(distribute_tensor(t, mesh, [Replicate()])) for t in full]
+    opt = DistributedOptimizer(ps, torch.optim.AdamW, mesh=mesh, dp_dim="dp", lr=1e-3, zero_stage=1)
+
+    def ours():
+        for p, g in zip(ps, grads):
+            p.grad = distribute_tensor(g, mesh, [Replicate()], src_data_rank=None)
+        opt.step()
+
+    # DDP-like baseline: all-reduce (avg) every gradient, full AdamW on every rank
+    bs = [torch.nn.Parameter(t.clone()) for t in full]
+    base_opt = torch.optim.AdamW(bs, lr=1e-3)
+
+    def base():
+        flat = torch.cat([g.reshape(-1) for g in grads])
+        dist.all_reduce(flat)
+        flat /= n
+        for b, piece in zip(bs, flat.split([g.numel() for g in grads])):
+            b.grad = piece.view(b.shape)
+        base_opt.step()
+
+    t_ours, t_base = [], []
+    for _ in range(2):  # alternate
+        t_ours.append(_time(ours, iters))
+        t_base.append(_time(base, iters))
+    state_ours = sum(
+        v.numel() * v.element_size()
+        for st in opt.state.values()
+        for k, v in st.items()
+        if torch.is_tensor(v) and k != "step"
+    )
+    state_base = sum(
+        v.numel() * v.element_size()
+        for st in base_opt.state.values()
+        for k, v in st.items()
+        if torch.is_tensor(v) and k != "step"
+    )
+    return {
+        "P": P,
+        "ours_s": min(t_ours),
+        "base_s": min(t_base),
+        "state_ours": state_ours,
+        "state_base": state_base,
+    }
+
+
+def _naive_muon_step(params, bufs, lr, wd, mu):
+    from vescale.dtensor import DTensor, distribute_tensor
+    from vescale.optim._muon import adjust_lr, newton_schulz
+
+    for p, buf in zip(params, bufs):
+        g = p.grad
+        buf.to_local().lerp_(g.to_local(), 1 - mu)
+        u = DTensor.from_local(
+            g.to_local().lerp(buf.to_local(), mu),
+            p.device_mesh,
+            p.placements,
+            shape=p.shape,
+            stride=p.stride(),
+        )
+        full = u.full_tensor()  # every rank gathers every matrix
+        o = newton_schulz(full, (3.4445, -4.7750, 2.0315), 5, 1e-7)
+        mine = distribute_tensor(o, p.device_mesh, p.placements, src_data_rank=None).to_local()
+        x = p.to_local()
+        x.mul_(1 - lr * wd)
+        x.add_(mine, alpha=-adjust_lr(lr, None, p.shape))
+
+
+def _muon_body(dim: int, nmat: int, iters: int):
+    from vescale.dtensor import Shard, distribute_tensor, init_device_mesh
+    from vescale.optim import Muon
+
+    n = dist.get_world_size()
+    mesh = init_device_mesh("cpu", (n,))
+    torch.manual_seed(0)
+    shapes = [(dim, dim), (dim, 4 * dim), (4 * dim, dim)] * (nmat // 3 + 1)
+    shapes = shapes[:nmat]
+    full = [torch.randn(s) * 0.02 for s in shapes]
+    grads = [torch.randn(s) for s in shapes]
+    ps = [torch.nn.Parameter(distribute_tensor(t, mesh, [Shard(0)])) for t in full]
+    qs = [torch.nn.Parameter(distribute_tensor(t, mesh, [Shard(0)])) for t in full]
+    opt = Muon(ps, lr=0.02)
+    bufs = [torch.zeros_like(q) for q in qs]
+
+    def ours():
+        for p, g in zip(ps, grads):
+            p.grad = distribute_tensor(g, mesh, [Shard(0)], src_data_rank=None)
+        opt.step()
+
+    def naive():
+        for q, g in zip(qs, grads):
+            q.grad = distribute_tensor(g, mesh, [Shard(0)], src_data_rank=None)
+        with torch.no_grad():
+            _naive_muon_step(qs, bufs, 0.02, 0.1, 0.95)
+
+    t_ours, t_naive = [], []
+    for _ in range(2):
+        t_ours.append(_time(ours, iters))
+        t_naive.append(_time(naive, iters))
+    for p, q in zip(ps, qs):  # same math
+        torch.testing.assert_close(p.to_local(), q.to_local(), rtol=1e-4, atol=1e-5)
+    return {"ours_s": min(t_ours), "naive_s": min(t_naive)}
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
+    ap.add_argument("--ranks", type=int, nargs="+", default=[2, 4])
+    ap.add_argument("--mparams", type=float, default=4.0, help="millions of parameters (ZeRO)")
+    ap.add_argument("--muon-dim", type=int, default=256)
+    ap.add_argument("--muon-mats", type=int, default=8)
+    ap.add_argument("--iters", type=int, default=5)
+    args = ap.parse_args()
+    rows = []
+    for n in args.ranks:
+        z = run_on_ranks(_zero_body, n, args.mparams, args.iters, timeout=900)[0]
+        m = run_on_ranks(_muon_body, n, args.muon_dim, args.muon_mats, args.iters, timeout=900)[0]
+        rows.append((n, z, m))
+    print()
+    print("ZeRO (DistributedOptimizer(AdamW), fp32) vs DDP-like replicated torch AdamW")
+    print(
+        f"{'ranks':>5} {'params':>10} {'state/rank ours':>16} {'state/rank DDP':>15} {'8P/N':>12} "
+        f"{'mem ratio':>9} {'step ours':>10} {'step DDP':>9} {'time ratio':>10}"
+    )
+    for n, z, _ in rows:
+        P = z["P"]
+        print(
+            f"{n:>5} {P:>10,} {z['state_ours']:>16,} {z['state_base']:>15,} {8 * P // n:>12,} "
+            f"{z['state_ours'] / z['state_base']:>9.3f} {z['ours_s'] * 1e3:>8.1f}ms "
+            f"{z['base_s'] * 1e3:>7.1f}ms {z['ours_s'] / z['base_s']:>10.2f}"
+        )
+    print()
+    print(
+        f"Muon ({args.muon_mats} matrices, dim {args.muon_dim}, Shard(0)): root-rank vs every-rank-gathers-every-matrix"
+    )
+    print(f"{'ranks':>5} {'step ours':>10} {'step naive':>11} {'ratio':>6}")
+    for n, _, m in rows:
+        print(
+            f"{n:>5} {m['ours_s'] * 1e3:>8.1f}ms {m['naive_s'] * 1e3:>9.1f}ms {m['ours_s'] / m['naive_s']:>6.2f}"
+        )
+
+
+if __name__ == "__main__":
+    main()
