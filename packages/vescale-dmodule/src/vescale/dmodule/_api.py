@@ -28,6 +28,7 @@ _OPTIONS = {
     "implicit_replication": True,
     "allow_uneven_shards": False,
     "src_data_rank": 0,
+    "param_init_fn": None,
 }
 
 
@@ -77,6 +78,80 @@ class DModule:
 
 
 _CLASS_CACHE: dict[type, type] = {}
+
+
+def _aliases(model: nn.Module, t: torch.Tensor) -> list[str]:
+    return [n for n, p in model.named_parameters(remove_duplicate=False) if p is t] + [
+        n for n, b in model.named_buffers(remove_duplicate=False) if b is t
+    ]
+
+
+def _own_meta(module: nn.Module) -> list[str]:
+    names = [n for n, t in module.named_parameters(recurse=False) if t.device.type == "meta"]
+    names += [n for n, t in module.named_buffers(recurse=False) if t.device.type == "meta"]
+    return names
+
+
+def _check_meta_init(model: nn.Module, init_fn: Any) -> None:
+    """Before any communication: every meta tensor must have a way to be initialised."""
+    if init_fn is not None:
+        if not callable(init_fn):
+            raise TypeError(f"param_init_fn must be callable, got {type(init_fn).__name__}")
+        return
+    for name, mod in model.named_modules():
+        meta = _own_meta(mod)
+        if meta and not callable(getattr(mod, "reset_parameters", None)):
+            where = f"{name}." if name else ""
+            raise ValueError(
+                f"{', '.join(where + n for n in meta)} on the meta device: "
+                f"{type(mod).__name__} has no reset_parameters(); pass "
+                "param_init_fn=fn(module) to initialise it"
+            )
+
+
+def _materialize_meta(model: nn.Module, resolved: Any, mesh: DeviceMesh, init_fn: Any) -> None:
+    """Initialise meta tensors module by module and cut them to local shards at once."""
+    placements = {}
+    for entry in resolved.params:
+        for name in entry.names:
+            placements[name] = entry.placements
+    device = torch.device(mesh.device_type)
+    if device.type == "cuda":
+        device = torch.device("cuda", torch.cuda.current_device())
+    for mod_name, mod in model.named_modules():
+        if not _own_meta(mod):
+            continue
+        prefix = f"{mod_name}." if mod_name else ""
+        # names under which each of this module's tensors is reachable (tied weights)
+        aliases = {
+            (table, attr): _aliases(model, t)
+            for table in ("_parameters", "_buffers")
+            for attr, t in getattr(mod, table).items()
+            if t is not None
+        }
+        mod.to_empty(device=device, recurse=False)
+        with torch.no_grad():
+            if init_fn is not None:
+                init_fn(mod)
+            else:
+                mod.reset_parameters()
+        for (table, attr), names in aliases.items():
+            full = getattr(mod, table)[attr]
+            pl = placements.get(prefix + attr)
+            if pl is None or isinstance(full, DTensor):
+                continue
+            with torch.no_grad():
+                # every rank initialised the same values: cut locally, no communication
+                local = distribute_tensor(full.detach(), mesh, pl, src_data_rank=None)
+            new = (
+                nn.Parameter(local, requires_grad=full.requires_grad)
+                if table == "_parameters"
+                else local
+            )
+            for name in names or [prefix + attr]:
+                owner_name, _, a = name.rpartition(".")
+                owner = model.get_submodule(owner_name) if owner_name else model
+                getattr(owner, table)[a] = new
 
 
 def _dmodule_class(cls: type) -> type:
@@ -150,7 +225,18 @@ def parallelize_module(
             ``True``), ``implicit_replication`` (plain tensors made inside forward
             act as replicated; default ``True``), ``allow_uneven_shards`` (default
             ``False``), ``src_data_rank`` (rank whose parameter values are
-            distributed; ``None``: each rank's own; default ``0``).
+            distributed; ``None``: each rank's own; default ``0``),
+            ``param_init_fn`` (``fn(module)`` that initialises a module's own
+            parameters and buffers in place; used for models built on the ``meta``
+            device, default: the module's ``reset_parameters()``).
+
+    A model built on the ``meta`` device is materialised module by module: each
+    module's own tensors are allocated at full size on the mesh's device,
+    initialised by ``param_init_fn``/``reset_parameters()`` (consuming the RNG in
+    module order, so a model whose initialisation lives in ``reset_parameters``
+    gets the same values as eager construction with the same seed), and
+    immediately cut to this rank's local shards. Peak memory is one module's
+    full tensors, not the model's.
 
     Returns:
         ``model`` itself, now also an instance of :class:`DModule`.
@@ -196,7 +282,10 @@ def parallelize_module(
         model, device_mesh, plan, allow_uneven=bool(opts["allow_uneven_shards"])
     )
 
+    _check_meta_init(model, opts["param_init_fn"])
+
     # ---- from here on: communication (parameter distribution), no more validation.
+    _materialize_meta(model, resolved, device_mesh, opts["param_init_fn"])
     modules = dict(model.named_modules(remove_duplicate=False))
     new_params: list[nn.Parameter] = []
     for entry in resolved.params:
