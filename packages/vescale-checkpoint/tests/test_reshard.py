@@ -7,7 +7,7 @@ import torch
 import torch.distributed as dist
 
 import vescale.checkpoint as vckpt
-from vescale.dtensor import Replicate, Shard, distribute_tensor, init_device_mesh
+from vescale.dtensor import Partial, Replicate, Shard, distribute_tensor, init_device_mesh
 from vescale.dtensor.testing import run_on_ranks
 from vescale.ragged import RaggedShard
 
@@ -134,3 +134,45 @@ def test_replicated_tensors_written_once_and_spread(tmp_path):
     payload = 8 * 64 * 64 * 4
     assert payload <= sum(sizes) < 1.2 * payload  # written once
     assert max(sizes) <= 2 * fair, sizes
+
+
+def partial_body(path):
+    mesh = init_device_mesh("cpu", (2,))
+    saved = distribute_tensor(full("tp"), mesh, [Replicate()])
+    vckpt.save(path, {"acc": {"grad": saved}})
+    from vescale.dtensor import DTensor
+
+    live = DTensor.from_local(torch.zeros(SHAPES["tp"]), mesh, [Partial()])
+    try:
+        vckpt.load(path, {"acc": {"grad": live}})
+    except ValueError as e:
+        assert "acc.grad" in str(e) and "Partial" in str(e), str(e)
+        return True
+    raise AssertionError("loading into a Partial DTensor did not raise")
+
+
+def test_load_into_partial_names_the_key(tmp_path):
+    run_on_ranks(partial_body, 2, str(tmp_path / "p"))
+
+
+SAVE_8 = {  # a 2x4 mesh
+    "w2d": [Shard(0), Shard(1)],
+    "rag": [Replicate(), RaggedShard((0, 1), (2, 1, 0, 3))],
+    "rag2": [Shard(1), RaggedShard((0,), (3, 1, 2, 2))],
+    "rep": [Replicate(), Replicate()],
+    "tp": [Shard(0), Replicate()],
+}
+
+
+def save_8_body(path):
+    mesh = init_device_mesh("cpu", (2, 4))
+    vckpt.save(path, _state(mesh, SAVE_8))
+    return True
+
+
+@pytest.mark.slow
+def test_save_on_8_ranks_load_on_2_and_4(tmp_path):
+    path = str(tmp_path / "ckpt8")
+    run_on_ranks(save_8_body, 8, path, mode="thread")
+    run_on_ranks(load_body, 2, path, (2,), "LOAD_2")
+    run_on_ranks(load_body, 4, path, (2, 2), "LOAD_4")

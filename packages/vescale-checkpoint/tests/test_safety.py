@@ -50,6 +50,9 @@ def test_crash_mid_save_keeps_previous_checkpoint(tmp_path):
         vckpt.load(staging[0], state)
     with pytest.raises(IncompleteCheckpointError, match="no checkpoint"):
         vckpt.load(tmp_path / "never_written", state)
+    # the next successful save of the same path removes the crashed save's staging dir
+    vckpt.save(path, {"t": torch.full((64, 64), 3.0), "step": 3})
+    assert [p.name for p in tmp_path.iterdir()] == ["ckpt"]
 
 
 def test_flipped_byte_names_file_and_tensor(tmp_path):

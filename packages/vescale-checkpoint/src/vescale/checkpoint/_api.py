@@ -18,11 +18,13 @@ from torch.distributed.checkpoint.api import CheckpointException
 from torch.distributed.checkpoint.default_planner import DefaultLoadPlanner, DefaultSavePlanner
 from torch.distributed.checkpoint.metadata import TensorStorageMetadata
 
-from vescale.checkpoint._state import decode_value, flatten_state
+from vescale.checkpoint._state import Stager, decode_value, flatten_state
 from vescale.checkpoint._storage import (
     CheckpointError,
+    SaveLock,
     VescaleFileSystemReader,
     VescaleFileSystemWriter,
+    clean_stale,
     commit,
     new_manifest,
     read_manifest,
@@ -33,6 +35,7 @@ __all__ = [
     "save",
     "load",
     "wait_pending",
+    "free_staging_buffers",
     "SaveHandle",
     "LoadResult",
     "CheckpointMismatchError",
@@ -128,6 +131,7 @@ class SaveHandle:
 
 
 _pending: SaveHandle | None = None
+_stager = Stager()
 _pending_lock = threading.Lock()
 _async_groups: dict[int, Any] = {}
 
@@ -139,6 +143,17 @@ def wait_pending() -> None:
         handle, _pending = _pending, None
     if handle is not None:
         handle.result()
+
+
+def free_staging_buffers() -> None:
+    """Release the CPU (pinned) buffers kept for the next asynchronous :func:`save`.
+
+    Async saves reuse the staging buffers of the previous async save when shapes match,
+    so staging is one memory copy; this keeps one CPU copy of the last staged state.
+    Waits for a pending async save first.
+    """
+    wait_pending()
+    _stager.clear()
 
 
 def storage_for(path: str | os.PathLike) -> tuple[Any, Any]:
@@ -199,15 +214,22 @@ def save(
 
     The checkpoint is written to ``<path>.tmp-<id>`` and renamed to ``path`` once every
     rank has finished, with a ``COMPLETE`` marker; a crash leaves any previous
-    checkpoint at ``path`` intact.
+    checkpoint at ``path`` intact. After the commit, staging directories that crashed
+    saves of the same ``path`` left behind are deleted (never one that a live save
+    still holds the lock of).
 
     Args:
         path: Checkpoint directory (or a URI a storage plugin handles).
         state: The state to save.
         async_op: Return once the state is staged in CPU memory; the write and commit run
             in the background. The next ``save`` (or :func:`wait_pending`) waits for it.
-        keep_last: After committing, delete the oldest complete checkpoints in the
-            parent directory so that at most ``keep_last`` remain (never ``path``).
+            Staging buffers are kept and reused by the next async save when shapes
+            match (:func:`free_staging_buffers` releases them).
+        keep_last: After committing, delete the oldest complete checkpoints of the same
+            series so that at most ``keep_last`` remain (never ``path``). The series is
+            the checkpoints in the same parent directory whose name is ``path``'s name
+            with its trailing number replaced by another (``step_100``: ``step_<n>``);
+            a name without a trailing number rotates nothing.
         process_group: Group of the ranks that save (default: the world).
 
     Returns:
@@ -226,7 +248,7 @@ def save(
         src = dist.get_global_rank(process_group, 0) if process_group is not None else 0
         dist.broadcast_object_list(box, src=src, group=process_group)
     save_id = box[0]
-    flat = flatten_state(state, for_load=False, stage=async_op)
+    flat = flatten_state(state, for_load=False, stage=_stager if async_op else None)
     manifest = new_manifest(save_id, world)
     manifest["values"] = flat.values
     manifest["tensors"] = flat.tensor_info
@@ -268,6 +290,7 @@ def _write(path, writer, tensors, manifest, save_id, group, keep_last, on, rank)
     if fs:
         path = os.fspath(writer.path)  # the location the storage plugin resolved
     target = f"{path}.tmp-{save_id}" if fs else path
+    lock = SaveLock(target, save_id) if fs and rank == 0 else None
     try:
         with warnings.catch_warnings():
             warnings.filterwarnings("ignore", message="torch.distributed is disabled")
@@ -279,17 +302,12 @@ def _write(path, writer, tensors, manifest, save_id, group, keep_last, on, rank)
                 process_group=group,
                 no_dist=not on,
             )
-        if fs:
-            writer.bytes_written = sum(
-                os.path.getsize(os.path.join(target, f))
-                for f in os.listdir(target)
-                if f.startswith(f"__{rank}_")
-            )
         if on:
             dist.barrier(group=group)
         if rank == 0 and fs:
             manifest["chunks"] = writer.chunk_records
             commit(target, path, manifest)
+            clean_stale(path, save_id)
             if keep_last is not None:
                 rotate(path, keep_last)
         if on:
@@ -298,6 +316,9 @@ def _write(path, writer, tensors, manifest, save_id, group, keep_last, on, rank)
         if fs and rank == 0:
             shutil.rmtree(target, ignore_errors=True)
         raise
+    finally:
+        if lock is not None:
+            lock.release()
     return path
 
 

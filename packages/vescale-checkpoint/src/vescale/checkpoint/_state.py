@@ -25,7 +25,14 @@ from vescale.checkpoint._chunked import ChunkedTensor, chunked_from_dtensor
 from vescale.dtensor import PluginPlacement
 from vescale.dtensor.chunks import UnsupportedLayout
 
-__all__ = ["FlatState", "flatten_state", "encode_value", "decode_value", "placement_record"]
+__all__ = [
+    "FlatState",
+    "Stager",
+    "flatten_state",
+    "encode_value",
+    "decode_value",
+    "placement_record",
+]
 
 _SCALARS = (bool, int, float, str, type(None))
 
@@ -115,11 +122,66 @@ def _has_tensor(obj: Any) -> bool:
     return False
 
 
-def _stage(t: torch.Tensor) -> torch.Tensor:
-    return t.detach().to("cpu", copy=True)
+class Stager:
+    """Copies tensors to CPU for an asynchronous save, reusing buffers across saves.
+
+    A buffer is kept per flattened key and reused by the next staging of the same key
+    when shape and dtype match (no allocation, no page faults: staging is a plain
+    memory copy). CUDA tensors go to pinned buffers with non-blocking copies and one
+    synchronisation in :meth:`finish`. Buffers of keys absent from a save are dropped
+    then, so at most one CPU copy of the last staged state is kept.
+
+    A buffer may only be reused once the save that wrote from it has finished;
+    :func:`vescale.checkpoint.save` waits for the previous async save before staging.
+
+    Attributes:
+        bytes_copied: Bytes copied by the last staging.
+        bytes_allocated: Bytes of new buffers allocated by the last staging.
+    """
+
+    def __init__(self) -> None:
+        self._buffers: dict[str, torch.Tensor] = {}
+        self._used: dict[str, torch.Tensor] = {}
+        self._sync_cuda = False
+        self.bytes_copied = 0
+        self.bytes_allocated = 0
+
+    def begin(self) -> None:
+        self._used = {}
+        self._sync_cuda = False
+        self.bytes_copied = self.bytes_allocated = 0
+
+    def copy(self, key: str, t: torch.Tensor) -> torch.Tensor:
+        t = t.detach()
+        pin = t.device.type == "cuda"
+        buf = self._buffers.get(key)
+        if (
+            buf is None
+            or buf.shape != t.shape
+            or buf.dtype != t.dtype
+            or (pin and not buf.is_pinned())
+        ):
+            buf = torch.empty(t.shape, dtype=t.dtype, pin_memory=pin)
+            self.bytes_allocated += buf.numel() * buf.element_size()
+        buf.copy_(t, non_blocking=pin)
+        self._sync_cuda |= pin
+        self.bytes_copied += buf.numel() * buf.element_size()
+        self._used[key] = buf
+        return buf
+
+    def finish(self) -> None:
+        if self._sync_cuda:
+            torch.cuda.synchronize()
+        self._buffers, self._used = self._used, {}
+
+    def clear(self) -> None:
+        """Drop every kept buffer."""
+        self._buffers = {}
+        self._used = {}
 
 
-def _tensor_entry(t: torch.Tensor, key: str, *, for_load: bool, stage: bool, flat: FlatState):
+def _tensor_entry(t: torch.Tensor, key: str, *, for_load: bool, stage, flat: FlatState):
+    _stage = (lambda x: stage.copy(key, x)) if stage else None
     """The DCP object for one tensor leaf."""
     if isinstance(t, DTensor):
         info = {
@@ -131,7 +193,11 @@ def _tensor_entry(t: torch.Tensor, key: str, *, for_load: bool, stage: bool, fla
         plugin = any(isinstance(p, PluginPlacement) for p in t.placements)
         if any(isinstance(p, Partial) for p in t.placements):
             if for_load:
-                raise ValueError(f"{key}: cannot load into a DTensor with Partial placements")
+                raise ValueError(
+                    f"{key}: cannot load into a DTensor with Partial placements "
+                    f"{list(t.placements)} (pending sums have no saved value); load into a "
+                    "Replicate or Shard DTensor instead"
+                )
             t = t.redistribute(
                 placements=[Replicate() if isinstance(p, Partial) else p for p in t.placements]
             )
@@ -214,14 +280,16 @@ def _collect_modules(obj: Any, out: list[nn.Module]) -> None:
             _collect_modules(v, out)
 
 
-def flatten_state(state: dict[str, Any], *, for_load: bool, stage: bool = False) -> FlatState:
+def flatten_state(
+    state: dict[str, Any], *, for_load: bool, stage: Stager | None = None
+) -> FlatState:
     """Flatten ``state`` into DCP-ready tensors and JSON values.
 
     Args:
         state: ``{"model": module, "optimizer": opt, "step": 100, ...}``.
         for_load: Build load targets (views of the live objects) instead of save sources.
-        stage: (save only) copy every tensor to CPU, so the live objects may change
-            while the copy is written.
+        stage: (save only) a :class:`Stager` that copies every tensor to CPU, so the
+            live objects may change while the copy is written.
 
     Returns:
         The :class:`FlatState`.
@@ -300,7 +368,11 @@ def flatten_state(state: dict[str, Any], *, for_load: bool, stage: bool = False)
             return
         flat.add_value(key, obj, setter)
 
+    if stage is not None:
+        stage.begin()
     walk(state, "", None)
+    if stage is not None:
+        stage.finish()
     return flat
 
 

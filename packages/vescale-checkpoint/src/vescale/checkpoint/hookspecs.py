@@ -20,8 +20,11 @@ def vescale_checkpoint_storage(uri: str) -> tuple[Any, Any] | None:
     ``trylast`` for local paths and ``file://`` URIs; a plugin adds object stores by
     answering for its own schemes (``s3://...``). Asked once per ``save``/``load`` call.
 
-    Writers that subclass :class:`vescale.checkpoint.VescaleFileSystemWriter` get atomic
-    commit, checksums and rotation; any other DCP writer is used as is.
+    A writer/reader pair that subclasses :class:`vescale.checkpoint.VescaleFileSystemWriter`
+    / :class:`~vescale.checkpoint.VescaleFileSystemReader` gets atomic commit (local
+    filesystem renames), stale staging-dir cleanup, ``keep_last`` rotation, per-chunk
+    CRC32 and the JSON manifest (plain values). Any other DCP writer/reader is used as
+    is: tensors only, no commit, no checksums, no plain values.
 
     Args:
         uri: The ``path`` given to ``save``/``load``/``export``.

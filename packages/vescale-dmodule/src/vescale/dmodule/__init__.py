@@ -7,11 +7,19 @@ outputs to their placements, plain tensors created inside ``forward`` act as
 replicated, and ``Partial`` gradients (sequence parallelism) are reduced, bucketed,
 after every backward. With no plan, a Megatron tensor(+sequence)-parallel plan is
 derived from the model's structure through the ``vescale_sharding_plan`` hook.
+
+Data parallelism is chosen per named mesh dim with ``data_parallel={"dp": "ddp"}`` or
+``{"dp": "fsdp"}`` (or directly with :func:`replicate` / :func:`fully_shard`): DDP with
+bucketed, overlapped all-reduces, and FSDP whose parameters are ``RaggedShard`` views of
+padding-free flat buffers gathered and reduce-scattered with no extra copies.
 """
 
 from vescale.dmodule.__about__ import __version__
 from vescale.dmodule._api import DModule, dump_plan, is_dmodule, parallelize_module
 from vescale.dmodule._auto_plan import default_sharding_plan
+from vescale.dmodule._ddp import replicate
+from vescale.dmodule._dp_common import MixedPrecision, dp_memory_bytes
+from vescale.dmodule._fsdp import fully_shard, get_dp_engine, no_sync
 from vescale.dmodule._loss import vocab_parallel_cross_entropy
 from vescale.dmodule._plan import SECTIONS
 
@@ -24,4 +32,10 @@ __all__ = [
     "default_sharding_plan",
     "vocab_parallel_cross_entropy",
     "SECTIONS",
+    "fully_shard",
+    "replicate",
+    "no_sync",
+    "get_dp_engine",
+    "MixedPrecision",
+    "dp_memory_bytes",
 ]

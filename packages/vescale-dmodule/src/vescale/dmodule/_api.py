@@ -29,7 +29,9 @@ _OPTIONS = {
     "allow_uneven_shards": False,
     "src_data_rank": 0,
     "param_init_fn": None,
+    "data_parallel": None,
 }
+_DP_KINDS = ("ddp", "fsdp")
 
 
 @dataclasses.dataclass
@@ -109,7 +111,9 @@ def _check_meta_init(model: nn.Module, init_fn: Any) -> None:
             )
 
 
-def _materialize_meta(model: nn.Module, resolved: Any, mesh: DeviceMesh, init_fn: Any) -> None:
+def _materialize_meta(
+    model: nn.Module, resolved: Any, mesh: DeviceMesh, init_fn: Any, *, local: bool = True
+) -> None:
     """Initialise meta tensors module by module and cut them to local shards at once."""
     placements = {}
     for entry in resolved.params:
@@ -138,17 +142,20 @@ def _materialize_meta(model: nn.Module, resolved: Any, mesh: DeviceMesh, init_fn
         for (table, attr), names in aliases.items():
             full = getattr(mod, table)[attr]
             pl = placements.get(prefix + attr)
-            if pl is None or isinstance(full, DTensor):
+            if full is None or isinstance(full, DTensor):
                 continue
-            with torch.no_grad():
-                # every rank initialised the same values: cut locally, no communication
-                local = distribute_tensor(full.detach(), mesh, pl, src_data_rank=None)
-            new = (
-                nn.Parameter(local, requires_grad=full.requires_grad)
-                if table == "_parameters"
-                else local
-            )
-            for name in names or [prefix + attr]:
+            if local and pl is not None:
+                with torch.no_grad():
+                    # every rank initialised the same values: cut locally, no communication
+                    shard = distribute_tensor(full.detach(), mesh, pl, src_data_rank=None)
+                new = (
+                    nn.Parameter(shard, requires_grad=full.requires_grad)
+                    if table == "_parameters"
+                    else shard
+                )
+            else:
+                new = full  # kept whole (pure data parallelism shards it later)
+            for name in names or [prefix + attr]:  # tied weights: every alias
                 owner_name, _, a = name.rpartition(".")
                 owner = model.get_submodule(owner_name) if owner_name else model
                 getattr(owner, table)[a] = new
@@ -266,7 +273,11 @@ def parallelize_module(
         raise TypeError(f"expected a DeviceMesh, got {type(device_mesh).__name__}")
 
     plan = _plan.normalize_plan(sharding_plan)
+    dp_specs = _parse_data_parallel(opts["data_parallel"], device_mesh)
+    dp_dims = {d for d, _, _ in dp_specs}
     use_auto = opts["auto_plan"] if opts["auto_plan"] is not None else sharding_plan is None
+    if use_auto and resolve_tp_dim(device_mesh, opts["tp_dim"]) in dp_dims:
+        use_auto = False  # every mesh dim is data parallel: no tensor parallelism to derive
     if use_auto:
         _ensure_plugin()
         tp = resolve_tp_dim(device_mesh, opts["tp_dim"])
@@ -283,6 +294,17 @@ def parallelize_module(
     )
 
     _check_meta_init(model, opts["param_init_fn"])
+    _check_dp_against_plan(dp_specs, resolved, device_mesh)
+    if dp_specs and not _has_tensor_parallelism(resolved):
+        # Pure data parallelism: the DP engine owns the parameters (no TP wrapping).
+        _materialize_meta(model, resolved, device_mesh, opts["param_init_fn"], local=False)
+        state = _State(
+            device_mesh, plan, resolved, opts, PartialGradSync([], device_mesh, auto=False)
+        )
+        model.__dict__[_STATE] = state
+        model.__class__ = _dmodule_class(type(model))
+        _apply_data_parallel(model, device_mesh, dp_specs)
+        return model
 
     # ---- from here on: communication (parameter distribution), no more validation.
     _materialize_meta(model, resolved, device_mesh, opts["param_init_fn"])
@@ -334,7 +356,74 @@ def parallelize_module(
     sync = PartialGradSync(new_params, device_mesh, auto=bool(opts["grad_sync"]))
     model.__dict__[_STATE] = _State(device_mesh, plan, resolved, opts, sync, handles)
     model.__class__ = _dmodule_class(type(model))
+    _apply_data_parallel(model, device_mesh, dp_specs)
     return model
+
+
+def _parse_data_parallel(spec: Any, mesh: DeviceMesh) -> list[tuple[int, str, dict]]:
+    """``{"dp": "fsdp"}`` / ``{"dp": {"mode": "ddp", "bucket_cap_mb": 10}}`` -> checked list."""
+    if spec is None:
+        return []
+    if not isinstance(spec, dict):
+        raise TypeError(
+            f"data_parallel must be a dict of mesh dim -> 'ddp' | 'fsdp', got {type(spec).__name__}"
+        )
+    names = list(mesh.mesh_dim_names or ())
+    out = []
+    for key, value in spec.items():
+        if isinstance(key, int) and not isinstance(key, bool):
+            if not -mesh.ndim <= key < mesh.ndim:
+                raise ValueError(
+                    f"data_parallel: mesh dim {key} is out of range for a {mesh.ndim}-dim mesh"
+                )
+            dim = key % mesh.ndim
+        elif key in names:
+            dim = names.index(key)
+        else:
+            raise ValueError(
+                f"data_parallel: {key!r} is not a mesh dim; the mesh dims are {names or list(range(mesh.ndim))}"
+            )
+        kwargs = dict(value) if isinstance(value, dict) else {"mode": value}
+        mode = kwargs.pop("mode", None)
+        if mode not in _DP_KINDS:
+            raise ValueError(
+                f"data_parallel[{key!r}]: mode must be one of {_DP_KINDS}, got {mode!r}"
+            )
+        out.append((dim, mode, kwargs))
+    if len(out) > 1:
+        raise NotImplementedError(
+            f"data_parallel on more than one mesh dim (HSDP) is not supported yet; got {spec}"
+        )
+    return out
+
+
+def _has_tensor_parallelism(resolved: Any) -> bool:
+    if resolved.inputs or resolved.outputs:
+        return True
+    return any(not all(p.is_replicate() for p in e.placements) for e in resolved.params)
+
+
+def _check_dp_against_plan(dp_specs: list, resolved: Any, mesh: DeviceMesh) -> None:
+    """A data-parallel mesh dim must not also carry the plan's tensor parallelism."""
+    for dim, mode, _ in dp_specs:
+        for e in resolved.params:
+            if not e.placements[dim].is_replicate():
+                name = (mesh.mesh_dim_names or [dim])[dim] if mesh.mesh_dim_names else dim
+                raise ValueError(
+                    f"data_parallel: {mode} on mesh dim {name!r}, but the sharding plan already "
+                    f"places {e.names[0]!r} as {e.placements[dim]} on that dim"
+                )
+
+
+def _apply_data_parallel(model: nn.Module, mesh: DeviceMesh, dp_specs: list) -> None:
+    from vescale.dmodule._ddp import replicate
+    from vescale.dmodule._fsdp import fully_shard
+
+    for dim, mode, kwargs in dp_specs:
+        if mode == "ddp":
+            replicate(model, mesh, dim, **kwargs)
+        else:
+            fully_shard(model, mesh, dim, **kwargs)
 
 
 def _fmt(placements) -> str:

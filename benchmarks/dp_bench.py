@@ -1,0 +1,177 @@
+"""Data parallelism: vescale FSDP / DDP vs torch FSDP2 (``fully_shard``) / DDP, one GPT step.
+
+All four sides train the same ~10M-parameter GPT (``vescale.dmodule.testing.GPT``,
+tied embeddings) with AdamW on the same per-rank batch, stepped alternately in the
+same worker processes (CPU, gloo). Per side and world size the table reports:
+
+* median step time (forward + backward + optimizer step) and its ratio to the
+  matching torch baseline (vescale FSDP / torch FSDP2, vescale DDP / torch DDP);
+* bytes each rank sends per step (``vescale.dtensor.debug.CommDebugMode``'s ring
+  model) against the ring lower bound (FSDP: ``3 (N-1)/N P`` with reshard after
+  forward; DDP: ``2 (N-1)/N P``; ``P`` the fp32 parameter bytes);
+* bytes copied per step besides the collectives: measured for vescale
+  (``extra_copy_bytes``); for torch, the copies its algorithm makes (FSDP2:
+  all-gather copy-in ``P/N`` and copy-out ``P`` per gather, reduce-scatter copy-in
+  ``P``; DDP: gradients into and out of the buckets, ``2P``), marked ``model``;
+* per-rank bytes of parameters + gradients + AdamW state after a step
+  (``vescale.dmodule._dp_common.dp_memory_bytes``) against ``16 P / N``.
+
+Usage::
+
+    OMP_NUM_THREADS=1 python benchmarks/dp_bench.py [--world 2 4] [--steps 4]
+"""
+
+from __future__ import annotations
+
+import argparse
+import statistics
+import time
+
+
+def bench_worker(steps: int, cfg_kwargs: dict, batch: int, seq: int) -> dict:
+    import copy
+
+    import torch
+    import torch.distributed as dist
+    import torch.nn.functional as F
+    from torch.distributed.fsdp import fully_shard as torch_fully_shard
+    from torch.nn.parallel import DistributedDataParallel
+
+    from vescale.dmodule._ddp import replicate
+    from vescale.dmodule._dp_common import dp_memory_bytes
+    from vescale.dmodule._fsdp import fully_shard, get_dp_engine
+    from vescale.dmodule.testing import GPT, GPTConfig
+    from vescale.dtensor import init_device_mesh
+    from vescale.dtensor.debug import CommDebugMode
+
+    n = dist.get_world_size()
+    mesh = init_device_mesh("cpu", (n,), mesh_dim_names=("dp",))
+    torch.manual_seed(0)
+    cfg = GPTConfig(**cfg_kwargs)
+    base = GPT(cfg)
+    nparams = sum(p.numel() for p in base.parameters())
+    pbytes = 4 * nparams
+
+    v_fsdp = fully_shard(copy.deepcopy(base), mesh, "dp")
+    t_fsdp = copy.deepcopy(base)
+    for blk in t_fsdp.blocks:
+        torch_fully_shard(blk, mesh=mesh)
+    torch_fully_shard(t_fsdp, mesh=mesh)
+    v_ddp = replicate(copy.deepcopy(base), mesh, "dp")
+    t_ddp = DistributedDataParallel(copy.deepcopy(base), process_group=mesh.get_group(0))
+
+    g = torch.Generator().manual_seed(1 + dist.get_rank())
+    x = torch.randint(0, cfg.vocab_size, (batch, seq), generator=g)
+    y = torch.randint(0, cfg.vocab_size, (batch, seq), generator=g)
+
+    def make_step(model):
+        opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
+
+        def step():
+            logits = model(x)
+            loss = F.cross_entropy(logits.flatten(0, 1), y.flatten())
+            loss.backward()
+            opt.step()
+            opt.zero_grad()
+            return loss.item()
+
+        return step, opt
+
+    models = {
+        "vescale FSDP": v_fsdp,
+        "torch FSDP2": t_fsdp,
+        "vescale DDP": v_ddp,
+        "torch DDP": t_ddp,
+    }
+    sides = {name: make_step(m) for name, m in models.items()}
+    copied_model = {
+        "torch FSDP2": 3 * pbytes // n + 2 * pbytes + pbytes,  # 2 gathers (in + out) + RS in
+        "torch DDP": 2 * pbytes,
+    }
+    stats = {}
+    for name, (step, opt) in sides.items():
+        step()  # warm up (optimizer state allocated)
+        engine = get_dp_engine(models[name])
+        if engine is not None and hasattr(engine, "reset_counters"):
+            engine.reset_counters()
+        with CommDebugMode() as cm:
+            loss = step()
+        if engine is not None:
+            copied = f"{engine.extra_copy_bytes:,}"
+        else:
+            copied = f"{copied_model[name]:,} (model)"
+        stats[name] = {
+            "bytes": cm.get_total_bytes(),
+            "copied": copied,
+            "mem": dp_memory_bytes(models[name], opt)["total"],
+            "loss": loss,
+            "times": [],
+        }
+    for _ in range(steps):
+        for name, (step, _opt) in sides.items():  # alternate
+            dist.barrier()
+            t0 = time.perf_counter()
+            step()
+            stats[name]["times"].append(time.perf_counter() - t0)
+    for s in stats.values():
+        s["median_ms"] = 1e3 * statistics.median(s.pop("times"))
+    stats["_P"] = nparams
+    return stats
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser.add_argument("--world", type=int, nargs="+", default=[2, 4])
+    parser.add_argument("--steps", type=int, default=4)
+    parser.add_argument("--layers", type=int, default=12)
+    parser.add_argument("--hidden", type=int, default=256)
+    parser.add_argument("--vocab", type=int, default=4096)
+    parser.add_argument("--batch", type=int, default=2)
+    parser.add_argument("--seq", type=int, default=64)
+    args = parser.parse_args()
+
+    from vescale.dtensor.testing import run_on_ranks, shutdown_pools
+
+    cfg = dict(
+        vocab_size=args.vocab,
+        block_size=args.seq,
+        n_layer=args.layers,
+        n_head=4,
+        n_embd=args.hidden,
+        tie_embeddings=True,
+    )
+    rows = []
+    try:
+        for n in args.world:
+            res = run_on_ranks(bench_worker, n, args.steps, cfg, args.batch, args.seq, timeout=1800)
+            rows.append((n, res))
+    finally:
+        shutdown_pools()
+    P = rows[0][1][0]["_P"]
+    print(
+        f"GPT {args.layers}x{args.hidden}, vocab {args.vocab} (tied), P = {P:,} params, per-rank "
+        f"batch {args.batch}x{args.seq}, {args.steps} alternating steps per side (CPU, gloo)"
+    )
+    head = (
+        f"{'N':>2} | {'side':<12} | {'ms/step':>8} | {'ratio':>5} | {'B sent/rank':>12} | "
+        f"{'/ring':>5} | {'B copied/step':>18} | {'state B/rank':>12} | {'/(16P/N)':>8}"
+    )
+    print(head)
+    print("-" * len(head))
+    baseline = {"vescale FSDP": "torch FSDP2", "vescale DDP": "torch DDP"}
+    for n, per_rank in rows:
+        r = per_rank[0]
+        for name in ("vescale FSDP", "torch FSDP2", "vescale DDP", "torch DDP"):
+            s = r[name]
+            mem = max(pr[name]["mem"] for pr in per_rank)
+            ring = (3 if "FSDP" in name else 2) * (n - 1) / n * 4 * P
+            ratio = s["median_ms"] / r[baseline[name]]["median_ms"] if name in baseline else 1.0
+            print(
+                f"{n:>2} | {name:<12} | {s['median_ms']:>8.1f} | {ratio:>5.2f} | "
+                f"{s['bytes']:>12,} | {s['bytes'] / ring:>5.3f} | {s['copied']:>18} | "
+                f"{mem:>12,} | {mem / (16 * P / n):>8.3f}"
+            )
+
+
+if __name__ == "__main__":
+    main()

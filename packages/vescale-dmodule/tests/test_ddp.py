@@ -1,0 +1,163 @@
+"""DDP with bucketed, overlapped all-reduce: equivalence with single-device AdamW, bytes, views."""
+
+from __future__ import annotations
+
+import importlib.util
+import pathlib
+
+import pytest
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from vescale.debug import enable_gradient_sync_debug
+from vescale.dmodule._ddp import replicate
+from vescale.dmodule._dp_common import dp_memory_bytes
+from vescale.dmodule._fsdp import fully_shard, get_dp_engine, no_sync
+from vescale.dtensor import DTensor, Replicate
+from vescale.dtensor.debug import CommDebugMode
+from vescale.dtensor.testing import distributed
+
+_spec = importlib.util.spec_from_file_location(
+    "_dp_helpers", pathlib.Path(__file__).with_name("_dp_helpers.py")
+)
+H = importlib.util.module_from_spec(_spec)
+_spec.loader.exec_module(H)
+
+SMALL_BUCKETS = 0.004  # MiB: several buckets for the test GPT
+
+
+def _ddp_train(n, *, micro=1, two_d=False, bucket_cap_mb=SMALL_BUCKETS):
+    mesh = H.mesh_for(n, two_d)
+    data = H.batches()
+    ref = H.make_gpt()
+    ref_losses = H.train_reference(ref, data, micro=micro)
+    model = replicate(H.make_gpt(), mesh, "dp", bucket_cap_mb=bucket_cap_mb)
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-2, weight_decay=0.1)
+    losses = []
+    for idx, tgt in data:
+        idx, tgt = H.local_slice(idx, mesh), H.local_slice(tgt, mesh)
+        opt.zero_grad()
+        total = torch.zeros(())
+        for k, (ci, ct) in enumerate(zip(idx.chunk(micro), tgt.chunk(micro))):
+            if k < micro - 1:
+                with no_sync(model):
+                    loss = H.gpt_loss(model, ci, ct) / micro
+                    loss.backward()
+            else:
+                loss = H.gpt_loss(model, ci, ct) / micro
+                loss.backward()
+            total += loss.detach()
+        torch.distributed.all_reduce(total, group=mesh.get_group("dp"))
+        losses.append(total.item() / n)
+        opt.step()
+    return model, ref, losses, ref_losses
+
+
+@pytest.mark.parametrize("n", [2, 4])
+@distributed(4)
+def test_ddp_matches_single_device(n):
+    model, ref, losses, ref_losses = _ddp_train(n)
+    torch.testing.assert_close(losses, ref_losses, **H.TOL)
+    H.assert_params_close(model, ref)
+    assert len(get_dp_engine(model).buckets) > 2
+    assert model.lm_head.weight is model.wte.weight  # tied weights stay tied
+    for p in model.parameters():
+        assert isinstance(p, DTensor) and all(pl == Replicate() for pl in p.placements)
+
+
+@distributed(4)
+def test_ddp_grad_accumulation_and_2d_mesh():
+    model, ref, losses, ref_losses = _ddp_train(2, micro=2, two_d=True)
+    torch.testing.assert_close(losses, ref_losses, **H.TOL)
+    H.assert_params_close(model, ref)
+
+
+@distributed(4)
+def test_ddp_unused_parameter_some_steps():
+    mesh = H.mesh_for(4)
+    torch.manual_seed(0)
+    ref = H.Sometimes()
+    torch.manual_seed(0)
+    model = replicate(H.Sometimes(), mesh, "dp", bucket_cap_mb=0.0005)
+    opt_r = torch.optim.AdamW(ref.parameters(), lr=1e-2, weight_decay=0.1)
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-2, weight_decay=0.1)
+    g = torch.Generator().manual_seed(3)
+    for step in range(5):
+        x = torch.randn(8, 8, generator=g)
+        ref.use_extra = model.use_extra = step % 2 == 0
+        opt_r.zero_grad()
+        opt.zero_grad()
+        F.mse_loss(ref(x), torch.zeros(8, 4)).backward()
+        F.mse_loss(model(H.local_slice(x, mesh)), torch.zeros(2, 4)).backward()
+        assert (model.extra.weight.grad is None) == (step % 2 == 1)
+        opt_r.step()
+        opt.step()
+    H.assert_params_close(model, ref)
+
+
+@distributed(4)
+def test_ddp_bytes_views_and_overlap():
+    n = 4
+    mesh = H.mesh_for(n)
+    model = replicate(H.make_gpt(), mesh, "dp", bucket_cap_mb=SMALL_BUCKETS)
+    engine = get_dp_engine(model)
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
+    nparams = sum(p.numel() for p in model.parameters())
+    idx, tgt = H.batches(1)[0]
+    idx, tgt = H.local_slice(idx, mesh), H.local_slice(tgt, mesh)
+    for _ in range(2):
+        opt.zero_grad()
+        with CommDebugMode() as comm:
+            H.gpt_loss(model, idx, tgt).backward()
+        opt.step()
+        bound = 2 * (n - 1) / n * nparams * 4
+        sent = comm.get_total_bytes()
+        assert bound <= sent <= 1.02 * bound, (
+            sent,
+            bound,
+            dict(comm.get_comm_bytes()),
+            comm.get_comm_counts(),
+        )
+        assert engine.extra_copy_bytes == 0
+        # every bucket but the last-ready one started before backward ended
+        log = engine.launch_log
+        assert log.index(-1) >= len(engine.buckets) - 1, log
+    for b in engine.buckets:
+        for p, (a, _), gdt in zip(b.params, b.ranges, b.grad_dts):
+            assert p.grad is gdt
+            assert p.grad.to_local().data_ptr() == b.buf.data_ptr() + a * 4
+    mem = dp_memory_bytes(model, opt)
+    assert mem["params"] == 4 * nparams and mem["optim"] >= 8 * nparams
+
+
+@distributed(4)
+def test_ddp_gradient_sync_debug_catches_desync():
+    from vescale.debug import GradientSyncError
+
+    mesh = H.mesh_for(2)
+    model = replicate(H.make_gpt(), mesh, "dp")
+    handle = enable_gradient_sync_debug(model)
+    idx, tgt = H.batches(1)[0]
+    idx, tgt = H.local_slice(idx, mesh), H.local_slice(tgt, mesh)
+    H.gpt_loss(model, idx, tgt).backward()  # synchronised: no error
+    model.zero_grad()
+    with pytest.raises(GradientSyncError, match="wte.weight"):
+        with no_sync(model):  # a replica whose gradients were never synchronised
+            H.gpt_loss(model, idx, tgt).backward()
+    handle.remove()
+
+
+@distributed(4)
+def test_ddp_bad_input():
+    mesh = H.mesh_for(4)
+    with pytest.raises(ValueError, match="'tp' is not in the mesh"):
+        replicate(H.make_gpt(), mesh, "tp")
+    model = replicate(H.make_gpt(), mesh, "dp")
+    with pytest.raises(ValueError, match="already data-parallel"):
+        replicate(model, mesh, "dp")
+    with pytest.raises(ValueError, match="already data-parallel"):
+        fully_shard(model, mesh, "dp")
+    m = nn.Sequential(nn.Linear(2, 2), nn.Linear(2, 2).to("meta"))
+    with pytest.raises(ValueError, match="different devices"):
+        replicate(m, mesh, "dp")
