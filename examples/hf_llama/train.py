@@ -34,8 +34,7 @@ def main() -> int:
         "--sp",
         action=argparse.BooleanOptionalAction,
         default=True,
-        help="sequence parallelism (default on; --no-sp currently fails in the embedding "
-        "backward: Partial -> MaskPartial, a vescale.dmodule gap)",
+        help="sequence parallelism (default on)",
     )
     args = ap.parse_args()
     try:

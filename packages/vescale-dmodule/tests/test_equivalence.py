@@ -169,3 +169,38 @@ def _run4():
 
 def test_tp4_and_dp2xtp2():
     _run4()
+
+
+class _EmbedMLP(torch.nn.Module):
+    """A vocab-parallel embedding whose replicated output feeds only column-parallel layers."""
+
+    def __init__(self, vocab=16, dim=8):
+        super().__init__()
+        self.embed_tokens = torch.nn.Embedding(vocab, dim)
+        self.up_proj = torch.nn.Linear(dim, 2 * dim)
+        self.down_proj = torch.nn.Linear(2 * dim, dim)
+        self.lm_head = torch.nn.Linear(dim, vocab, bias=False)
+
+    def forward(self, ids):
+        return self.lm_head(self.down_proj(self.up_proj(self.embed_tokens(ids)).relu()))
+
+
+@distributed(2)
+def test_vocab_parallel_embedding_partial_grad():
+    # Without sequence parallelism the embedding output (_MaskPartial -> Replicate)
+    # gets a Partial(sum) gradient from up_proj; the backward of the all-reduce used
+    # to fail with "Redistribution from P(sum) to MaskP(...) is unsupported".
+    mesh = _mesh((2,))
+    torch.manual_seed(0)
+    model = _EmbedMLP()
+    ref = copy.deepcopy(model)
+    parallelize_module(model, mesh, sequence_parallel=False)
+    assert model.embed_tokens.weight.placements == (Shard(0),)
+    ids = torch.randint(0, 16, (2, 5))
+    out, ref_out = model(ids), ref(ids)
+    torch.testing.assert_close(out.full_tensor(), ref_out, **TOL)
+    out.to_local().square().sum().backward()
+    ref_out.square().sum().backward()
+    params = dict(model.named_parameters())
+    for name, p in ref.named_parameters():
+        torch.testing.assert_close(params[name].grad.full_tensor(), p.grad, **TOL)

@@ -88,3 +88,16 @@ def test_hf_gpt2_tp():
 @distributed(2)
 def test_hf_llama_tp_sp():
     run_hf("llama", sp=True)
+
+
+@distributed(2)
+def test_hf_llama_tp_no_sp():
+    # The vocab-parallel embed_tokens output (torch's _MaskPartial, all-reduced to
+    # Replicate) gets a Partial(sum) gradient from the column-parallel q/k/v and
+    # gate/up projections; it must be reduced before the redistribute's backward.
+    run_hf("llama", sp=False)
+
+
+@distributed(2)
+def test_hf_gpt2_tp_sp():
+    run_hf("gpt2", sp=True)

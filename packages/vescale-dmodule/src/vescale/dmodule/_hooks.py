@@ -35,7 +35,39 @@ def to_placements(x: Any, mesh: DeviceMesh, placements: tuple[Placement, ...] | 
     )
     if tuple(x.placements) == placements:
         return x
-    return redistribute(x, mesh, placements)
+    src = tuple(x.placements)
+    out = redistribute(x, mesh, placements)
+    if out.requires_grad and any(p.is_partial() for p in src):
+        out.register_hook(_grad_fixer(src, placements))
+    return out
+
+
+def _grad_fixer(src: tuple[Placement, ...], target: tuple[Placement, ...]):
+    """A gradient hook for the output of a redistribute whose source was partial.
+
+    The backward of ``redistribute`` sends the gradient back to the source
+    placements; torch turns a ``Replicate``/``Shard`` gradient into ``Replicate``
+    there but keeps a partial gradient partial, and it cannot convert between
+    different partial kinds. A replicated activation that feeds column-parallel
+    layers gets a ``Partial(sum)`` gradient, which then cannot go back to, e.g.,
+    the ``_MaskPartial`` output of a vocabulary-parallel embedding. So on mesh dims
+    where the gradient is partial of another kind than the source, reduce it to
+    the forward target placement (``Replicate`` if that is partial too) first.
+    """
+
+    def hook(grad: torch.Tensor) -> torch.Tensor:
+        if not isinstance(grad, DTensor):
+            return grad
+        gp = tuple(grad.placements)
+        new = list(gp)
+        for i, (g, s, t) in enumerate(zip(gp, src, target)):
+            if g.is_partial() and s.is_partial() and g != s:
+                new[i] = Replicate() if t.is_partial() else t
+        if tuple(new) == gp:
+            return grad
+        return redistribute(grad, grad.device_mesh, tuple(new))
+
+    return hook
 
 
 def _apply_seq(values: tuple, spec: tuple, mesh: DeviceMesh) -> tuple:
