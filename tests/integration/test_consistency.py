@@ -95,9 +95,11 @@ def _parallel_losses(config: str) -> list[float]:
         sp = config.endswith("+sp")
         model = DModule(model, mesh, data_parallel={"dp": "ddp"}, sequence_parallel=sp)
         dp = "dp"
-    elif config == "fsdp2xtp2":
+    elif config in ("fsdp2xtp2", "fsdp2xtp2+sp"):
         mesh = init_device_mesh("cpu", (2, 2), mesh_dim_names=("dp", "tp"))
-        model, dp = DModule(model, mesh, data_parallel={"dp": "fsdp"}), "dp"
+        sp = config.endswith("+sp")
+        model = DModule(model, mesh, data_parallel={"dp": "fsdp"}, sequence_parallel=sp)
+        dp = "dp"
     elif config == "dp2xtp2+distopt":
         mesh = init_device_mesh("cpu", (2, 2), mesh_dim_names=("dp", "tp"))
         model, dp = DModule(model, mesh), "dp"
@@ -142,6 +144,8 @@ CONFIGS = {
     "tp2+sp": (2, "adamw"),
     "ddp2xtp2": (4, "adamw"),
     "ddp2xtp2+sp": (4, "adamw"),
+    "fsdp2xtp2": (4, "adamw"),
+    "fsdp2xtp2+sp": (4, "adamw"),
     "dp2xtp2+distopt": (4, "adamw"),
     "fsdp4+muon": (4, "muon"),
 }

@@ -29,6 +29,8 @@ __all__ = [
     "swap_param",
     "dp_memory_bytes",
     "local_tensor",
+    "dp_last_mesh",
+    "check_dp_replicated",
 ]
 
 #: Attribute (in the module's ``__dict__``) holding the DDP/FSDP engine of a module.
@@ -86,6 +88,74 @@ def check_not_wrapped(module: nn.Module, what: str) -> None:
 def local_tensor(t: torch.Tensor) -> torch.Tensor:
     """The rank-local tensor of ``t`` (``t`` itself if it is not a DTensor)."""
     return t._local_tensor if isinstance(t, DTensor) else t
+
+
+def dp_last_mesh(mesh: DeviceMesh, dp_dim: int) -> DeviceMesh:
+    """The same ranks as ``mesh`` with mesh dim ``dp_dim`` moved last (built once per mesh).
+
+    Mesh dims apply left to right, so a placement on the last dim cuts the local
+    tensor the other dims leave: ``[Shard(0), RaggedShard(...)]`` on ``("tp", "dp")``
+    is "tensor parallel first, then FSDP over the tensor-parallel shard". Building
+    it creates the new mesh's process groups: a collective over all ranks of ``mesh``.
+    """
+    if dp_dim == mesh.ndim - 1:
+        return mesh
+    cache = mesh.__dict__.setdefault("_vescale_dp_last_meshes", {})
+    out = cache.get(dp_dim)
+    if out is None:
+        from vescale.dtensor import DeviceMesh as _VDeviceMesh
+
+        order = [i for i in range(mesh.ndim) if i != dp_dim] + [dp_dim]
+        names = mesh.mesh_dim_names
+        out = _VDeviceMesh(
+            mesh.device_type,
+            mesh.mesh.permute(order),
+            mesh_dim_names=tuple(names[i] for i in order) if names else None,
+        )
+        cache[dp_dim] = out
+    return out
+
+
+def check_dp_replicated(module: nn.Module, mesh: DeviceMesh, dp_dim: int, what: str) -> None:
+    """DTensor parameters: on ``mesh``, ``Replicate()`` on ``dp_dim``, same local shape everywhere.
+
+    The last condition (every rank's local tensor has one shape) lets one
+    ``RaggedShard`` describe the dp cut of every tensor-parallel shard; it fails for
+    uneven ``Shard`` placements (e.g. 5 rows over 2 ranks).
+    """
+    import itertools
+
+    from torch.distributed.tensor import Replicate
+
+    from vescale.dtensor._redistribute import localize
+
+    coords = list(itertools.product(*(range(n) for n in mesh.shape)))
+    for name, p in module.named_parameters():
+        if not isinstance(p, DTensor):
+            continue
+        pm = p.device_mesh
+        if pm.ndim != mesh.ndim or not torch.equal(pm.mesh, mesh.mesh):
+            raise ValueError(
+                f"{what}: parameter {name!r} lives on mesh {pm.mesh.tolist()} but the "
+                f"data-parallel mesh is {mesh.mesh.tolist()}; both must be the same mesh"
+            )
+        pl = tuple(p.placements)
+        if pl[dp_dim] != Replicate():
+            dn = mesh.mesh_dim_names[dp_dim] if mesh.mesh_dim_names else dp_dim
+            raise ValueError(
+                f"{what}: parameter {name!r} has placements {[str(q) for q in pl]}; it must be "
+                f"Replicate() on the data-parallel mesh dim {dn!r}"
+            )
+        if any(q.is_partial() for q in pl):
+            raise ValueError(f"{what}: parameter {name!r} has Partial placements {pl}")
+        shapes = {tuple(localize(mesh, pl, tuple(p.shape), c)[1]) for c in coords}
+        if len(shapes) > 1:
+            raise ValueError(
+                f"{what}: parameter {name!r} (shape {tuple(p.shape)}, placements "
+                f"{[str(q) for q in pl]}) has local shards of different shapes "
+                f"{sorted(shapes)} on different ranks; FSDP over tensor parallelism needs even "
+                "tensor-parallel shards"
+            )
 
 
 def check_one_device(module: nn.Module, mesh: DeviceMesh, what: str) -> torch.device:

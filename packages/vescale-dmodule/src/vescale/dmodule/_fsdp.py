@@ -27,6 +27,21 @@ Per group and step (``N`` ranks on the dp dim, ``P`` the group's parameter bytes
   sharded parameters' ``.grad``. A group whose inputs need no gradient (the root)
   is reduced in the end-of-backward callback, which also waits for everything.
 
+**Tensor parallelism.** DTensor parameters (e.g. from ``parallelize_module``) must be
+``Replicate()`` on the dp dim and have one local shape on every rank (even
+tensor-parallel shards). FSDP then shards each parameter's *TP-local* tensor: the
+flat buffers hold ``p.to_local()``, so the all-gather over dp reassembles exactly the
+TP-local shard. Mesh dims apply left to right, so "tp first, then dp" is written on
+a view of the same ranks with the dp dim moved last (``engine.shard_mesh``, e.g.
+``("tp", "dp")``): a sharded parameter is ``[<its tp placements>, RaggedShard]``
+there, with the parameter's global shape. The unsharded compute parameters are
+DTensors on the original mesh with the original placements, views of the unsharded
+buffer, and their ``.grad`` are DTensors viewing the gradient buffer. A gradient
+that arrives ``Partial`` on a tp dim (sequence parallelism: norms, row-parallel
+biases) is reduced over tp by DTensor's in-place add as autograd accumulates it,
+so the dp reduce-scatter sees complete TP-local gradients; ``parallelize_module``'s
+own ``PartialGradSync`` is released (it watched the replaced parameters).
+
 Bytes sent per rank and step (ring): ``3 (N-1)/N P`` with ``reshard_after_forward``,
 ``2 (N-1)/N P`` without; no bytes are copied besides the collectives (mixed
 precision adds the casts, counted in :attr:`FSDPEngine.cast_copy_bytes`).
@@ -44,14 +59,17 @@ import torch
 import torch.distributed as dist
 from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
-from torch.distributed.tensor import DTensor
+from torch.distributed.tensor import DTensor, Replicate
 from torch.utils._pytree import tree_flatten, tree_unflatten
 
 from vescale.dmodule._dp_common import (
     DP_STATE_ATTR,
     MixedPrecision,
+    check_dp_replicated,
     check_not_wrapped,
     check_one_device,
+    dp_last_mesh,
+    local_tensor,
     param_paths,
     resolve_dp_dim,
     swap_param,
@@ -159,6 +177,9 @@ class FSDPEngine:
 
     Attributes:
         groups: The parameter groups, in module order (the root first).
+        tensor_parallel: Whether the module's parameters were DTensors.
+        shard_mesh: Mesh of the sharded parameters: ``mesh`` itself, or with tensor
+            parallelism the same ranks with the dp dim moved last.
         cast_copy_bytes: Bytes written by mixed-precision casts (reset freely).
         peak_unsharded_bytes: Largest sum of unsharded parameter and gradient bytes
             allocated at once (reset freely).
@@ -203,6 +224,10 @@ class FSDPEngine:
 
         paths = param_paths(module)
         params = {id(p): p for p in module.parameters()}
+        # Tensor parallelism: DTensor parameters (Replicate on dp) are sharded as their
+        # TP-local tensors; the sharded parameters live on the mesh with dp moved last.
+        self.tensor_parallel = any(isinstance(p, DTensor) for p in params.values())
+        self.shard_mesh = dp_last_mesh(mesh, dp_dim) if self.tensor_parallel else mesh
         owner = _assign_groups(group_modules, paths, params)
         self.groups: list[_Group] = []
         for gi, (gname, gmod) in enumerate(group_modules):
@@ -210,13 +235,15 @@ class FSDPEngine:
             if not mine:
                 continue
             named = [(paths[id(p)][0][2], p) for p in mine]
-            layouts = layouts_from_tensors(named, self.world, granularity=granularity)
+            layouts = layouts_from_tensors(
+                [(n, local_tensor(p)) for n, p in named], self.world, granularity=granularity
+            )
             by_name = dict(named)
             bufs = []
             for dtype, layout in layouts.items():
                 fb = FlatBuffer(layout, mesh, dp_dim, device=device)
                 with torch.no_grad():
-                    fb.load_full({n: by_name[n].detach() for n in layout.names})
+                    fb.load_full({n: local_tensor(by_name[n]).detach() for n in layout.names})
                 compute = (
                     self.mp.param_dtype
                     if (self.mp.param_dtype is not None and dtype.is_floating_point)
@@ -240,21 +267,21 @@ class FSDPEngine:
 
                 for slot in layout.params:
                     orig = by_name[slot.name]
-                    sp = nn.Parameter(fb.dtensor(slot.name), requires_grad=orig.requires_grad)
-                    sharded[slot.name] = sp
-                    leaf = nn.Parameter(
-                        full[slot.offset : slot.stop].view(slot.shape),
+                    geo, geo_kw = self._geometry(orig, fb, slot)
+                    sp = nn.Parameter(
+                        from_local(fb.local_view(slot.name).detach(), *geo, **geo_kw),
                         requires_grad=orig.requires_grad,
                     )
+                    sharded[slot.name] = sp
+                    view = full[slot.offset : slot.stop].view(slot.shape)
+                    leaf = nn.Parameter(self._compute(orig, view), requires_grad=orig.requires_grad)
                     leaves[slot.name] = leaf
                     if orig.requires_grad:
                         trainable.append(slot.name)
-                        leaf.grad = gfull[slot.offset : slot.stop].view(slot.shape)
+                        gview = gfull[slot.offset : slot.stop].view(slot.shape)
+                        leaf.grad = self._compute(orig, gview)
                         grad_dts[slot.name] = from_local(
-                            fb.local_view(slot.name, gshard),
-                            mesh,
-                            fb.placements(slot.name),
-                            shape=slot.shape,
+                            fb.local_view(slot.name, gshard), *geo, **geo_kw
                         )
                 _free(full)
                 _free(gfull)
@@ -296,6 +323,35 @@ class FSDPEngine:
                 g.module.register_forward_pre_hook(self._hook_pre(g), with_kwargs=True)
             )
             g.handles.append(g.module.register_forward_hook(self._hook_post(g)))
+
+    # ------------------------------------------------------------------ geometry
+    def _geometry(self, orig: torch.Tensor, fb, slot) -> tuple:
+        """``(mesh, placements)`` + ``shape=``/``stride=`` of a sharded parameter."""
+        if not self.tensor_parallel:
+            return (self.mesh, fb.placements(slot.name)), {"shape": slot.shape}
+        d = self.dp_dim
+        orig_pl = (
+            tuple(orig.placements) if isinstance(orig, DTensor) else (Replicate(),) * self.mesh.ndim
+        )
+        others = [orig_pl[i] for i in range(self.mesh.ndim) if i != d]
+        return (self.shard_mesh, (*others, slot.placement)), {
+            "shape": tuple(orig.shape),
+            "stride": tuple(orig.stride()),
+        }
+
+    def _compute(self, orig: torch.Tensor, view: torch.Tensor) -> torch.Tensor:
+        """The compute form of an unsharded view: a DTensor like ``orig`` if it is one."""
+        if not isinstance(orig, DTensor):
+            return view
+        from vescale.dtensor import from_local
+
+        return from_local(
+            view,
+            self.mesh,
+            tuple(orig.placements),
+            shape=tuple(orig.shape),
+            stride=tuple(orig.stride()),
+        )
 
     # ------------------------------------------------------------------ public
     @contextlib.contextmanager
@@ -670,10 +726,16 @@ def fully_shard(
     """Shard ``module``'s parameters over the mesh dim ``dp_dim`` (FSDP), in place.
 
     Args:
-        module: The module; its parameters must be plain tensors on one device of the
-            mesh's type, with the same values on every rank.
-        mesh: Device mesh; the parameters are ``RaggedShard`` on ``dp_dim`` and
-            ``Replicate()`` on every other dim.
+        module: The module; its parameters must be on one device of the mesh's type,
+            with the same values on every rank of the dp dim: plain tensors, or
+            DTensors on ``mesh`` that are ``Replicate()`` on ``dp_dim`` (tensor
+            parallelism, e.g. from ``parallelize_module``) with evenly sized local
+            shards.
+        mesh: Device mesh; plain parameters become ``RaggedShard`` on ``dp_dim`` and
+            ``Replicate()`` on every other dim. With DTensor parameters every
+            parameter lives on ``engine.shard_mesh`` (``mesh`` with ``dp_dim`` moved
+            last) as ``[<other dims' placements>, RaggedShard]``: the ``RaggedShard``
+            cuts the TP-local tensor.
         dp_dim: Name or index of the data-parallel mesh dim.
         groups: Submodules gathered together (one flat buffer per group and dtype):
             names from ``named_modules()`` (regexes, full match), modules, or a
@@ -700,9 +762,10 @@ def fully_shard(
     Raises:
         ValueError: ``dp_dim`` not in the mesh, the module (or a submodule) already
             data-parallel, parameters on several devices or not on the mesh's device
-            type, a group name that matches nothing. All before any collective.
-        NotImplementedError: DTensor parameters (tensor parallelism composed with
-            FSDP is not supported yet).
+            type, a group name that matches nothing, a DTensor parameter on another
+            mesh, not ``Replicate()`` on ``dp_dim``, ``Partial``, or with local shards
+            of different shapes on different ranks (uneven tensor-parallel
+            sharding), naming the parameter. All before any collective.
     """
     what = "fully_shard"
     dim = resolve_dp_dim(mesh, dp_dim)
@@ -710,12 +773,7 @@ def fully_shard(
         raise TypeError(f"{what}: expected an nn.Module, got {type(module).__name__}")
     check_not_wrapped(module, what)
     device = check_one_device(module, mesh, what)
-    for name, p in module.named_parameters():
-        if isinstance(p, DTensor):
-            raise NotImplementedError(
-                f"{what}: parameter {name!r} is already a DTensor ({p.placements}); FSDP over "
-                "tensor-parallel parameters is not supported yet"
-            )
+    check_dp_replicated(module, mesh, dim, what)
     mods = dict(module.named_modules())
     if groups is None:
         chosen = _default_groups(module)
@@ -752,4 +810,12 @@ def fully_shard(
         device=device,
     )
     module.__dict__[DP_STATE_ATTR] = engine
+    # A module tensor-parallelised by parallelize_module: its PartialGradSync watches
+    # the original parameters, which FSDP replaced (their tp-Partial gradients are
+    # reduced while they accumulate into the unsharded gradient buffer). Release them
+    # so the unsharded TP-local tensors are freed.
+    sync = getattr(module.__dict__.get("_vescale_dmodule"), "grad_sync", None)
+    if sync is not None and hasattr(sync, "remove_hooks"):
+        sync.remove_hooks()
+        sync.params = []
     return module

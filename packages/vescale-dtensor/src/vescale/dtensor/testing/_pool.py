@@ -73,10 +73,16 @@ def _reset_distributed_state(dist: Any) -> None:
         rnd._rng_tracker = None
     # Sharding-propagation caches (Python and C++ fast path) and vescale's plan cache
     # remember meshes whose groups were just destroyed.
-    dbg = sys.modules.get("torch.distributed.tensor.debug")
-    if dbg is not None and hasattr(dbg, "_clear_sharding_prop_cache"):
+    with contextlib.suppress(Exception):
+        import torch.distributed.tensor.debug as dbg
+
+        dbg._clear_sharding_prop_cache()
+    tredist = sys.modules.get("torch.distributed.tensor._redistribute")
+    if tredist is not None:
         with contextlib.suppress(Exception):
-            dbg._clear_sharding_prop_cache()
+            tredist.clear_redistribute_planner_cache()
+        with contextlib.suppress(Exception):
+            tredist._gen_transform_infos.cache_clear()
     redist = sys.modules.get("vescale.dtensor._redistribute")
     if redist is not None:
         redist._clear_caches()
