@@ -24,7 +24,6 @@ can check.
 
 from __future__ import annotations
 
-import contextlib
 import dataclasses
 
 import torch
@@ -35,6 +34,7 @@ from torch.distributed.tensor import DTensor, Replicate
 
 from vescale.dmodule._dp_common import (
     DP_STATE_ATTR,
+    SyncToggle,
     check_not_wrapped,
     check_one_device,
     param_paths,
@@ -62,7 +62,7 @@ class _Bucket:
         return self.buf[self.data_numel :]
 
 
-class DDPEngine:
+class DDPEngine(SyncToggle):
     """State and hooks of one :func:`replicate`-d module.
 
     Attributes:
@@ -154,16 +154,6 @@ class DDPEngine:
         self._handles.append(module.register_forward_hook(self._post_forward, always_call=True))
 
     # ------------------------------------------------------------------ public
-    @contextlib.contextmanager
-    def no_sync(self):
-        """Backward passes inside accumulate gradients locally; no communication."""
-        prev = self._sync
-        self._sync = False
-        try:
-            yield
-        finally:
-            self._sync = prev
-
     @property
     def extra_copy_bytes(self) -> int:
         """Bytes copied besides the collectives (always 0: gradients are bucket views)."""

@@ -11,8 +11,9 @@
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
-from collections.abc import Iterable
+from collections.abc import Iterable, Iterator
 
 import torch
 from torch import nn
@@ -245,3 +246,19 @@ def dp_memory_bytes(
                 add("engine", t)
     out["total"] = sum(out.values())
     return out
+
+
+class SyncToggle:
+    """``no_sync()`` for the data-parallel engines: gradients accumulate locally inside."""
+
+    _sync: bool = True
+
+    @contextlib.contextmanager
+    def no_sync(self) -> Iterator[None]:
+        """Backward passes inside accumulate gradients locally; no communication."""
+        prev = self._sync
+        self._sync = False
+        try:
+            yield
+        finally:
+            self._sync = prev

@@ -65,6 +65,7 @@ from torch.utils._pytree import tree_flatten, tree_unflatten
 from vescale.dmodule._dp_common import (
     DP_STATE_ATTR,
     MixedPrecision,
+    SyncToggle,
     check_dp_replicated,
     check_not_wrapped,
     check_one_device,
@@ -172,7 +173,7 @@ class _PostBackward(torch.autograd.Function):
         return (None, None, *grads)
 
 
-class FSDPEngine:
+class FSDPEngine(SyncToggle):
     """State and hooks of one :func:`fully_shard`-ed module (see the module docs).
 
     Attributes:
@@ -354,16 +355,6 @@ class FSDPEngine:
         )
 
     # ------------------------------------------------------------------ public
-    @contextlib.contextmanager
-    def no_sync(self):
-        """Backward passes inside accumulate unsharded gradients; no communication."""
-        prev = self._sync
-        self._sync = False
-        try:
-            yield
-        finally:
-            self._sync = prev
-
     @property
     def extra_copy_bytes(self) -> int:
         """Bytes copied besides collectives and casts (flat buffers + accumulation)."""
