@@ -116,7 +116,7 @@ def parallelize(model: torch.nn.Module, mesh, cfg: Config):
         return DModule(model, mesh, plan_for(mesh), **opts), "optimizer"
     want = cfg.parallel.data_parallel
     if mesh.size(0) > 1 and want != "trainer":
-        engine = "fsdp" if want == "auto" else want
+        engine = "ddp" if want == "auto" else want
         try:
             dm = DModule(model, mesh, plan_for(mesh), data_parallel={"dp": engine}, **opts)
             return dm, f"dmodule-{engine}"
