@@ -12,7 +12,6 @@ import importlib.util
 import pathlib
 import sys
 import weakref
-from collections import defaultdict
 
 import pytest
 import torch
@@ -59,41 +58,6 @@ def _loss(model, idx, tgt):
     if isinstance(out, DTensor):
         out = out.to_local()  # Replicate on tp: every tp rank holds the full logits
     return F.cross_entropy(out.reshape(-1, out.shape[-1]), tgt.reshape(-1))
-
-
-def _ranks_of(func, args, kwargs) -> tuple[int, ...]:
-    bound = dict(kwargs or {})
-    for a, v in zip(func._schema.arguments, args):
-        bound[a.name] = v
-    pg = bound.get("process_group")
-    if pg is None and "group_name" in bound:
-        name = bound["group_name"]
-        pg = (
-            name
-            if isinstance(name, dist.ProcessGroup)
-            else dist.distributed_c10d._resolve_process_group(name)
-        )
-    if pg is None:
-        return ()
-    if not isinstance(pg, dist.ProcessGroup):
-        pg = dist.ProcessGroup.unbox(pg)
-    return tuple(dist.get_process_group_ranks(pg))
-
-
-class GroupCommMode(CommDebugMode):
-    """CommDebugMode that also splits the bytes sent by process group (its ranks)."""
-
-    def __init__(self) -> None:
-        super().__init__()
-        self.by_group: dict[tuple[int, ...], int] = defaultdict(int)
-
-    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-        before = self.get_total_bytes()
-        out = super().__torch_dispatch__(func, types, args, kwargs)
-        delta = self.get_total_bytes() - before
-        if delta:
-            self.by_group[_ranks_of(func, args, kwargs)] += delta
-        return out
 
 
 def _train(sp: bool, *, clip: float | None = None, reshard: bool = True):
@@ -165,9 +129,9 @@ def test_fsdp_tp_bytes(sp):
     dp_ranks = tuple(dist.get_process_group_ranks(mesh.get_group("dp")))
     # tensor-parallel traffic of the TP-only model (its own grad sync included)
     tp_only = _tp_gpt(mesh, sp)
-    with GroupCommMode() as comm:
+    with CommDebugMode() as comm:
         _loss(tp_only, idx, tgt).backward()
-    tp_bytes = comm.by_group[tp_ranks]
+    tp_bytes = comm.get_comm_bytes_by_group()[tp_ranks]
     p_local = sum(p.to_local().numel() for p in tp_only.parameters())
 
     model = _tp_gpt(mesh, sp)
@@ -183,13 +147,21 @@ def test_fsdp_tp_bytes(sp):
     for _ in range(2):
         opt.zero_grad()
         engine.reset_counters()
-        with GroupCommMode() as comm:
+        with CommDebugMode() as comm:
             _loss(model, idx, tgt).backward()
         opt.step()
         bound = 3 * (n - 1) / n * p_local * 4
-        assert set(comm.by_group) <= {tp_ranks, dp_ranks}, dict(comm.by_group)
-        assert bound <= comm.by_group[dp_ranks] <= 1.02 * bound, (comm.by_group[dp_ranks], bound)
-        assert comm.by_group[tp_ranks] == tp_bytes, (comm.by_group[tp_ranks], tp_bytes)
+        assert set(comm.get_comm_bytes_by_group()) <= {tp_ranks, dp_ranks}, dict(
+            comm.get_comm_bytes_by_group()
+        )
+        assert bound <= comm.get_comm_bytes_by_group()[dp_ranks] <= 1.02 * bound, (
+            comm.get_comm_bytes_by_group()[dp_ranks],
+            bound,
+        )
+        assert comm.get_comm_bytes_by_group()[tp_ranks] == tp_bytes, (
+            comm.get_comm_bytes_by_group()[tp_ranks],
+            tp_bytes,
+        )
         assert engine.extra_copy_bytes == 0
 
 

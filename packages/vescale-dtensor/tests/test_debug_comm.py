@@ -156,3 +156,19 @@ def test_eager_torch_distributed_calls_are_counted():
     with comm:
         pass
     assert comm.get_total_bytes() == 0 and comm.get_total_counts() == 0
+
+
+@distributed(4)
+def test_bytes_split_by_process_group():
+    from vescale.dtensor import init_device_mesh
+
+    mesh = init_device_mesh("cpu", (2, 2), mesh_dim_names=("dp", "tp"))
+    x = distribute_tensor(torch.zeros(8, 8), mesh, [Shard(0), Shard(1)])  # local 4x4 fp32 = 64 B
+    with CommDebugMode() as comm:
+        x.full_tensor()
+    dp = tuple(dist.get_process_group_ranks(mesh.get_group("dp")))
+    tp = tuple(dist.get_process_group_ranks(mesh.get_group("tp")))
+    by_group = comm.get_comm_bytes_by_group()
+    # gather on tp first: (2-1)/2 * 2*64 B; then dp: (2-1)/2 * 4*64 B
+    assert by_group == {tp: 64, dp: 128}, dict(by_group)
+    assert sum(by_group.values()) == comm.get_total_bytes()

@@ -87,8 +87,7 @@ def _bind(func: Any, args: tuple, kwargs: dict) -> dict[str, Any]:
     return bound
 
 
-def _group(bound: dict[str, Any]) -> tuple[int, int]:
-    """Return (group size, this rank's index in the group)."""
+def _process_group(bound: dict[str, Any]) -> dist.ProcessGroup | None:
     pg = bound.get("process_group")
     if pg is None and "group_name" in bound:
         name = bound["group_name"]
@@ -97,9 +96,15 @@ def _group(bound: dict[str, Any]) -> tuple[int, int]:
             if isinstance(name, dist.ProcessGroup)
             else dist.distributed_c10d._resolve_process_group(name)
         )
+    if pg is not None and not isinstance(pg, dist.ProcessGroup):
+        pg = dist.ProcessGroup.unbox(pg)  # c10d ops carry a boxed TorchScript object
+    return pg
+
+
+def _group(bound: dict[str, Any]) -> tuple[int, int]:
+    """Return (group size, this rank's index in the group)."""
+    pg = _process_group(bound)
     if pg is not None:
-        if not isinstance(pg, dist.ProcessGroup):  # c10d ops carry a boxed TorchScript object
-            pg = dist.ProcessGroup.unbox(pg)
         return pg.size(), pg.rank()
     ranks = list(bound.get("ranks") or [])
     size = int(bound.get("group_size") or len(ranks) or 1)
@@ -168,9 +173,11 @@ class CommDebugMode(_TorchCommDebugMode):
     def __init__(self) -> None:
         super().__init__()
         self.comm_bytes: dict[Any, int] = defaultdict(int)
+        self.comm_bytes_by_group: dict[tuple[int, ...], int] = defaultdict(int)
 
     def __enter__(self) -> CommDebugMode:
         self.comm_bytes.clear()
+        self.comm_bytes_by_group.clear()
         super().__enter__()
         return self
 
@@ -182,12 +189,24 @@ class CommDebugMode(_TorchCommDebugMode):
         if out is not NotImplemented and self.get_total_counts() != before:
             packet = func._overloadpacket
             key = NATIVE_TO_PY_MAPPING.get(packet, packet)
-            self.comm_bytes[key] += collective_bytes_sent(func, args, kwargs)
+            sent = collective_bytes_sent(func, args, kwargs)
+            self.comm_bytes[key] += sent
+            pg = _process_group(_bind(func, args, kwargs or {}))
+            ranks = tuple(dist.get_process_group_ranks(pg)) if pg is not None else ()
+            self.comm_bytes_by_group[ranks] += sent
         return out
 
     def get_comm_bytes(self) -> dict[Any, int]:
         """Bytes this rank sent per collective op (same keys as ``get_comm_counts``)."""
         return self.comm_bytes
+
+    def get_comm_bytes_by_group(self) -> dict[tuple[int, ...], int]:
+        """Bytes this rank sent per process group, keyed by the group's global ranks.
+
+        Separates, e.g., the data-parallel traffic of a ``("dp", "tp")`` mesh from its
+        tensor-parallel traffic.
+        """
+        return self.comm_bytes_by_group
 
     def get_total_bytes(self) -> int:
         """Bytes this rank sent over all collectives."""
