@@ -23,6 +23,8 @@ import argparse
 import statistics
 import time
 
+from _summary import emit, human_bytes
+
 
 def _torch_plan(model):
     from torch.distributed.tensor import Replicate, Shard
@@ -158,6 +160,16 @@ def main() -> None:
             f"{tp:>3} | {v['median_ms']:>10.1f} | {t['median_ms']:>9.1f} | "
             f"{v['median_ms'] / t['median_ms']:>5.2f} | {v['bytes']:>14,} | {t['bytes']:>12,} | "
             f"{v['collectives']:>4}/{t['collectives']:<4} | {abs(v['loss'] - t['loss']) < 1e-5}"
+        )
+        emit(
+            "tensor parallel",
+            f"GPT train step, TP={tp}",
+            "ms/step vs torch parallelize_module",
+            v["median_ms"],
+            t["median_ms"],
+            unit="ms",
+            comm=f"{human_bytes(v['bytes'])} (torch {human_bytes(t['bytes'])})",
+            target="≤ 1",
         )
 
 

@@ -27,6 +27,8 @@ import argparse
 import statistics
 import time
 
+from _summary import emit, human_bytes
+
 
 def bench_worker(steps: int, cfg_kwargs: dict, batch: int, seq: int) -> dict:
     import copy
@@ -171,6 +173,26 @@ def main() -> None:
                 f"{s['bytes']:>12,} | {s['bytes'] / ring:>5.3f} | {s['copied']:>18} | "
                 f"{mem:>12,} | {mem / (16 * P / n):>8.3f}"
             )
+            if name in baseline:
+                b = r[baseline[name]]
+                bmem = max(pr[baseline[name]]["mem"] for pr in per_rank)
+                emit(
+                    "data parallel",
+                    f"{name} vs {baseline[name]}, N={n}",
+                    "ms/step (fwd+bwd+AdamW)",
+                    s["median_ms"],
+                    b["median_ms"],
+                    unit="ms",
+                    comm=f"{s['bytes'] / ring:.3f} (torch {b['bytes'] / ring:.3f})",
+                    copied=f"{human_bytes(_num(s['copied']))} (torch {human_bytes(_num(b['copied']))})",
+                    memory=f"{human_bytes(mem)} (torch {human_bytes(bmem)})",
+                    target="≤ 0.8" if "FSDP" in name else "≤ 1",
+                )
+
+
+def _num(copied) -> float:
+    """Bytes of a ``B copied/step`` cell (an int, or ``"123 (model)"``)."""
+    return float(str(copied).split()[0].replace(",", ""))
 
 
 if __name__ == "__main__":

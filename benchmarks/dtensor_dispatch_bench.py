@@ -22,6 +22,8 @@ import subprocess
 import sys
 import textwrap
 
+from _summary import emit
+
 CHILD = textwrap.dedent(
     r"""
     import json, os, sys, time
@@ -104,6 +106,15 @@ def main() -> None:
         if k in torch_only:
             t = statistics.median(torch_only[k])
             print(f"{k:<14}{t:>12.2f}{v:>12.2f}{v / t:>8.3f}")
+            emit(
+                "dtensor dispatch",
+                f"built-in DTensor `{k}`",
+                "us per op, torch only vs + vescale imported",
+                v,
+                t,
+                unit="us",
+                target="≈ 1 (no overhead)",
+            )
         else:
             print(f"{k:<14}{'-':>12}{v:>12.2f}{'':>8}")
 

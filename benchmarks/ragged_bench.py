@@ -16,6 +16,7 @@ import random
 import time
 
 import torch
+from _summary import emit
 
 from vescale.ragged._pack import TorchPackKernels, get_pack_kernels
 from vescale.ragged._planner import ParamSpec, plan_flat_buffers
@@ -122,9 +123,30 @@ def main() -> None:
     widths = [max(len(str(r[i])) for r in rows + [header]) for i in range(len(header))]
     for r in [header, *rows]:
         print("  ".join(str(c).ljust(w) for c, w in zip(r, widths)))
+    cat_ms = {r[0]: float(r[2]) for r in rows if r[1] == "pack: torch.cat(out=)"}
+    for r in rows:
+        if r[1] in ("pack (torch)", "unpack (torch)"):
+            emit(
+                "ragged pack",
+                f"{r[1].split()[0]} {r[0]} fp32",
+                "ms vs one torch.cat(out=)",
+                float(r[2]),
+                cat_ms[r[0]],
+                unit="ms",
+                target="≈ 1 (memory bound)",
+            )
     print()
     header = ("planner", "ranks", "ms", "max/min load", "padding (elements)")
     rows = bench_planner(max(1, repeat // 3))
+    for r in rows:
+        emit(
+            "ragged planner",
+            f"{r[0]}, {r[1]}",
+            "max/min rank load (padding elements)",
+            f"{float(r[3]):.4f} ({int(r[4]):,})",
+            None,
+            target="load ≈ 1",
+        )
     widths = [max(len(str(r[i])) for r in rows + [header]) for i in range(len(header))]
     for r in [header, *rows]:
         print("  ".join(str(c).ljust(w) for c, w in zip(r, widths)))

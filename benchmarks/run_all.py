@@ -22,6 +22,8 @@ import sys
 import time
 from pathlib import Path
 
+from _summary import markdown_table, parse
+
 HERE = Path(__file__).resolve().parent
 
 # name -> (script, what it compares, args for a full run, args for --quick)
@@ -91,7 +93,7 @@ def main() -> int:
     ap.add_argument("--timeout", type=float, default=1800)
     args = ap.parse_args()
     env = dict(os.environ, OMP_NUM_THREADS="1")
-    sections, failed = [], []
+    sections, failed, summary = [], [], []
     for name, (script, what, full, quick) in BENCHMARKS.items():
         if args.only and not any(s in name for s in args.only):
             continue
@@ -107,6 +109,8 @@ def main() -> int:
             out, ok = f"timed out after {args.timeout:.0f} s", False
         dt = time.perf_counter() - t0
         print(out, flush=True)
+        rows, out = parse(out)
+        summary += rows
         if not ok:
             failed.append(name)
         sections.append(
@@ -122,8 +126,11 @@ def main() -> int:
         "Regenerate this page with `python benchmarks/run_all.py` (or `hatch run bench:run`).\n\n"
         f"Measured on {today}: {_machine()}"
         f"{' (quick settings)' if args.quick else ''}. On a shared 2-core CPU box the "
-        "timings are noisy (other jobs ran alongside); byte and memory figures are exact.\n\n"
-        + "\n".join(sections)
+        "timings are noisy; byte and memory figures are exact.\n\n"
+        "## Summary\n\n"
+        "One row per comparison (ratio = vescale / baseline for times: below 1 is faster; "
+        "for throughputs the benchmark says which way). The sections below hold each "
+        "benchmark's full output.\n\n" + markdown_table(summary) + "\n\n" + "\n".join(sections)
     )
     Path(args.out).write_text(page)
     print(f"wrote {args.out}" + (f"; failed: {failed}" if failed else ""))
