@@ -7,6 +7,10 @@
 2. Muon: ``vescale.optim.Muon`` (each matrix gathered to one load-balanced root rank)
    vs the naive approach where every rank all-gathers every matrix and runs
    Newton–Schulz on all of them. Reports step time and the ratio.
+3. Overlap: ``DistributedOptimizer(..., overlap_param_gather=True)`` vs off on a stack of
+   linear layers: time of ``step()`` + the next forward (where the overlapped gathers are
+   waited for), for overlap off with one bucket (the default), off with
+   ``--bucket-mb`` buckets and on with the same buckets. Same parameters afterwards.
 
     OMP_NUM_THREADS=1 python benchmarks/optim_bench.py --ranks 2 4 --mparams 4 --iters 5
 """
@@ -150,6 +154,64 @@ def _muon_body(dim: int, nmat: int, iters: int):
     return {"ours_s": min(t_ours), "naive_s": min(t_naive)}
 
 
+def _overlap_body(mparams: float, layers: int, batch: int, iters: int, bucket_mb: float):
+    import statistics
+
+    import torch.nn.functional as F
+    from torch import nn
+
+    from vescale.dtensor import Replicate, distribute_tensor, init_device_mesh
+    from vescale.optim import DistributedOptimizer
+
+    n = dist.get_world_size()
+    mesh = init_device_mesh("cpu", (n,), mesh_dim_names=("dp",))
+    width = max(8, int((mparams * 1e6 / layers) ** 0.5))
+
+    class Layer(nn.Module):
+        def __init__(self, w: torch.Tensor) -> None:
+            super().__init__()
+            self.weight = nn.Parameter(distribute_tensor(w, mesh, [Replicate()]))
+
+        def forward(self, x: torch.Tensor) -> torch.Tensor:
+            return torch.tanh(F.linear(x, self.weight.to_local()))
+
+    torch.manual_seed(0)
+    init = [torch.randn(width, width) / width**0.5 for _ in range(layers)]
+    x = torch.randn(batch, width) + dist.get_rank()
+    configs = {
+        "off, 1 bucket": {},
+        f"off, {bucket_mb:g} MB buckets": {"bucket_cap_mb": bucket_mb},
+        f"on, {bucket_mb:g} MB buckets": {"bucket_cap_mb": bucket_mb, "overlap_param_gather": True},
+    }
+    runs = {}
+    for name, kw in configs.items():
+        model = nn.Sequential(*(Layer(w.clone()) for w in init))
+        opt = DistributedOptimizer(model, torch.optim.AdamW, mesh=mesh, dp_dim="dp", lr=1e-4, **kw)
+        model(x).square().mean().backward()
+        runs[name] = (model, opt, [])
+
+    def one(model, opt, times):
+        dist.barrier()
+        t0 = time.perf_counter()
+        opt.step()
+        out = model(x)  # with overlap: waits for each layer's bucket right before it
+        times.append(time.perf_counter() - t0)
+        out.square().mean().backward()  # gradients for the next step
+
+    for _ in range(iters + 1):  # alternate configs; the first round is warm-up
+        for model, opt, times in runs.values():
+            one(model, opt, times)
+    ref = [p.to_local() for p in runs[f"off, {bucket_mb:g} MB buckets"][0].parameters()]
+    on = [p.to_local() for p in runs[f"on, {bucket_mb:g} MB buckets"][0].parameters()]
+    assert all(torch.equal(a, b) for a, b in zip(ref, on)), "overlap changed the parameters"
+    P = layers * width * width
+    return {
+        "P": P,
+        "buckets": {k: v[1].num_buckets for k, v in runs.items()},
+        "times": {k: statistics.median(v[2][1:]) for k, v in runs.items()},
+    }
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(
         description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
@@ -159,19 +221,32 @@ def main() -> None:
     ap.add_argument("--muon-dim", type=int, default=256)
     ap.add_argument("--muon-mats", type=int, default=8)
     ap.add_argument("--iters", type=int, default=5)
+    ap.add_argument("--layers", type=int, default=8, help="layers of the overlap model")
+    ap.add_argument("--batch", type=int, default=256, help="rows per rank (overlap forward)")
+    ap.add_argument("--bucket-mb", type=float, default=1.0, help="overlap bucket size")
     args = ap.parse_args()
     rows = []
     for n in args.ranks:
         z = run_on_ranks(_zero_body, n, args.mparams, args.iters, timeout=900)[0]
         m = run_on_ranks(_muon_body, n, args.muon_dim, args.muon_mats, args.iters, timeout=900)[0]
-        rows.append((n, z, m))
+        o = run_on_ranks(
+            _overlap_body,
+            n,
+            args.mparams,
+            args.layers,
+            args.batch,
+            args.iters,
+            args.bucket_mb,
+            timeout=900,
+        )[0]
+        rows.append((n, z, m, o))
     print()
     print("ZeRO (DistributedOptimizer(AdamW), fp32) vs DDP-like replicated torch AdamW")
     print(
         f"{'ranks':>5} {'params':>10} {'state/rank ours':>16} {'state/rank DDP':>15} {'8P/N':>12} "
         f"{'mem ratio':>9} {'step ours':>10} {'step DDP':>9} {'time ratio':>10}"
     )
-    for n, z, _ in rows:
+    for n, z, _, _ in rows:
         P = z["P"]
         print(
             f"{n:>5} {P:>10,} {z['state_ours']:>16,} {z['state_base']:>15,} {8 * P // n:>12,} "
@@ -183,10 +258,23 @@ def main() -> None:
         f"Muon ({args.muon_mats} matrices, dim {args.muon_dim}, Shard(0)): root-rank vs every-rank-gathers-every-matrix"
     )
     print(f"{'ranks':>5} {'step ours':>10} {'step naive':>11} {'ratio':>6}")
-    for n, _, m in rows:
+    for n, _, m, _ in rows:
         print(
             f"{n:>5} {m['ours_s'] * 1e3:>8.1f}ms {m['naive_s'] * 1e3:>9.1f}ms {m['ours_s'] / m['naive_s']:>6.2f}"
         )
+    print()
+    print(
+        f"Overlap: step() + next forward, {args.layers} layers, batch {args.batch}/rank "
+        "(median; ratio vs 'off, 1 bucket')"
+    )
+    print(f"{'ranks':>5} {'params':>10} {'config':>22} {'buckets':>7} {'time':>9} {'ratio':>6}")
+    for n, _, _, o in rows:
+        base = o["times"]["off, 1 bucket"]
+        for name, t in o["times"].items():
+            print(
+                f"{n:>5} {o['P']:>10,} {name:>22} {o['buckets'][name]:>7} "
+                f"{t * 1e3:>7.1f}ms {t / base:>6.2f}"
+            )
 
 
 if __name__ == "__main__":

@@ -54,3 +54,13 @@ def test_bad_params_and_dims():
     other = init_device_mesh("cpu", (2, 1), mesh_dim_names=("dp", "tp"))
     with pytest.raises(ValueError, match="not on the optimizer's mesh"):
         DistributedOptimizer([good], torch.optim.AdamW, mesh=other, dp_dim="dp")
+    # overlap needs the model (its forward pre-hooks wait for the gathers)
+    with pytest.raises(ValueError, match="overlap_param_gather=True needs the model"):
+        DistributedOptimizer(
+            [good], torch.optim.AdamW, mesh=mesh, dp_dim="dp", overlap_param_gather=True
+        )
+    with pytest.raises(ValueError, match="bucket_cap_mb must be positive"):
+        DistributedOptimizer([good], torch.optim.AdamW, mesh=mesh, dp_dim="dp", bucket_cap_mb=0)
+    model = torch.nn.Linear(2, 2)
+    with pytest.raises(ValueError, match="not a parameter of the model"):
+        DistributedOptimizer([good], torch.optim.AdamW, mesh=mesh, dp_dim="dp", model=model)

@@ -112,11 +112,12 @@ def _check_state(opt, ref_opt, ref_params, opt_name, rtol=1e-5, atol=1e-6):
     sd = opt.state_dict()
     for i, rp in enumerate(ref_params):
         rst = ref_opt.state[rp]
+        st = sd["state"][opt.param_names[i]]  # keyed by name ("param[i]" without a model)
         for k in STATE_KEYS[opt_name]:
-            got = sd["state"][i][k].full_tensor()
+            got = st[k].full_tensor()
             torch.testing.assert_close(got, rst[k].float(), rtol=rtol, atol=atol, msg=f"{k}[{i}]")
         if "step" in rst:
-            assert float(sd["state"][i]["step"]) == float(rst["step"])
+            assert float(st["step"]) == float(rst["step"])
 
 
 @pytest.mark.parametrize(
@@ -173,7 +174,7 @@ def test_bf16_params_fp32_master(clip):
     sd = opt.state_dict()
     bf16_single, _, _ = _reference("adamw", 5, 2, clip, dtype=torch.bfloat16)
     for i, (p, r) in enumerate(zip(params, ref)):
-        master = sd["state"][i]["master_param"].full_tensor()
+        master = sd["state"][f"param[{i}]"]["master_param"].full_tensor()
         torch.testing.assert_close(master, r.detach(), rtol=1e-5, atol=1e-6)
         assert p.dtype == torch.bfloat16
         # params are the rounded masters: within one bf16 ulp of the fp32 result
@@ -243,7 +244,7 @@ def test_state_dict_dtensor_roundtrip_and_reshard():
     # same layout: loads without communication and continues identically
     mesh, params, opt, _ = _run(2, 2, "adamw", 0.5, steps=3)
     sd = opt.state_dict()
-    st0 = sd["state"][0]["exp_avg"]
+    st0 = sd["state"]["param[0]"]["exp_avg"]
     assert st0.shape == params[0].shape
     assert "RaggedShard" in type(st0.placements[-1]).__name__
     cls, kw = OPTIMS["adamw"]
@@ -269,3 +270,51 @@ def test_state_dict_dtensor_roundtrip_and_reshard():
     for a, b, c in zip(params, params2, params4):
         torch.testing.assert_close(a.full_tensor(), b.full_tensor(), rtol=0, atol=0)
         torch.testing.assert_close(a.full_tensor(), c.full_tensor(), rtol=1e-6, atol=1e-7)
+
+
+# ---------------------------------------------------------------- fresh state / masters
+@pytest.mark.parametrize("opt_name", ["adamw", "sgd", "adagrad"])
+@distributed(2)
+def test_fresh_state_dict_is_a_complete_load_target(opt_name):
+    # a never-stepped optimizer's state dict has every entry (what a checkpoint load
+    # needs as targets), is what a first step starts from, and leaves the optimizer as is
+    mesh = _mesh(2, 1)
+    cls, kw = OPTIMS[opt_name]
+    params = _dparams(mesh, _init_params())
+    opt = DistributedOptimizer(params, cls, mesh=mesh, dp_dim="dp", **kw)
+    had_state = len(opt.state)  # Adagrad creates its state in __init__
+    sd = opt.state_dict()
+    assert len(opt.state) == had_state
+    assert set(sd["state"]) == {f"param[{i}]" for i in range(len(SHAPES))}
+    for st in sd["state"].values():
+        for k in STATE_KEYS[opt_name]:
+            assert st[k].shape == st[k].full_tensor().shape
+        if "step" in st:
+            assert float(st["step"]) == 0
+    opt.load_state_dict(sd)
+    for s in range(5):
+        _set_grads(mesh, params, s, 2, torch.float32)
+        opt.step()
+        opt.zero_grad()
+    ref, ref_opt, _ = _reference(opt_name, 5, 2, None)
+    for p, r in zip(params, ref):
+        torch.testing.assert_close(p.full_tensor(), r.detach(), rtol=1e-5, atol=1e-6)
+    _check_state(opt, ref_opt, ref, opt_name)
+
+
+@distributed(2)
+def test_masters_refreshed_from_params_without_master_state():
+    # e.g. a checkpoint of a torch optimizer: the model was loaded, the masters follow it
+    mesh, params, opt, _ = _run(2, 1, "adamw", None, bf16=True, steps=2)
+    sd = opt.state_dict()
+    for st in sd["state"].values():
+        del st["master_param"]
+    new = [t * 0.5 for t in _init_params()]
+    with torch.no_grad():
+        for p, t in zip(params, new):
+            p._local_tensor.copy_(t.to(torch.bfloat16))  # replicated: the full value
+    opt.load_state_dict(sd)
+    sd2 = opt.state_dict()
+    for i, t in enumerate(new):
+        master = sd2["state"][f"param[{i}]"]["master_param"].full_tensor()
+        assert torch.equal(master, t.to(torch.bfloat16).float())

@@ -2,16 +2,23 @@
 
 from __future__ import annotations
 
+import weakref
+from collections import Counter
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
 import torch
+from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor, Placement, Replicate
 
 from vescale.dtensor import distribute_tensor, from_local, redistribute
-from vescale.dtensor.collectives import all_gather_uneven, reduce_scatter_uneven
+from vescale.dtensor.collectives import (
+    CollectiveHandle,
+    all_gather_uneven,
+    reduce_scatter_uneven,
+)
 from vescale.optim._clip import total_norm_of_locals
 from vescale.optim._utils import (
     dim_label,
@@ -83,6 +90,10 @@ def _even_bounds(total: int, n: int) -> list[tuple[int, int]]:
     return [(r * total // n, (r + 1) * total // n) for r in range(n)]
 
 
+#: Bucket size used by ``overlap_param_gather=True`` when ``bucket_cap_mb`` is not given.
+DEFAULT_OVERLAP_BUCKET_MB = 25.0
+
+
 @dataclass
 class _ParamInfo:
     index: int
@@ -90,19 +101,33 @@ class _ParamInfo:
     param: DTensor
     placements: tuple[Placement, ...]
     numel: int  # local (TP-shard) numel
-    offset: int  # in the bucket's flat buffer
-    counts: list[int]  # elements of this param owned by each dp rank
-    lo: int  # my slice [lo, hi) of the param's flattened local tensor
-    hi: int
+    offset: int = 0  # in the bucket's flat buffer
+    counts: list[int] = field(default_factory=list)  # elements owned by each dp rank
+    lo: int = 0  # my slice [lo, hi) of the param's flattened local tensor
+    hi: int = 0
     shard: torch.Tensor = field(repr=False, default=None)  # type: ignore[assignment]
     sharded_dims: tuple[int, ...] = ()
+    bucket: int = 0
 
 
 @dataclass
 class _Bucket:
+    index: int
     dtype: torch.dtype
     params: list[_ParamInfo]
-    sizes: list[int]  # per dp rank
+    sizes: list[int] = field(default_factory=list)  # per dp rank
+    pending: CollectiveHandle | None = field(default=None, repr=False)
+
+
+def _waiting_hook(ref: weakref.ReferenceType, buckets: tuple[int, ...], reason: str):
+    """A module hook (any signature) that waits for ``buckets`` of the optimizer ``ref``."""
+
+    def hook(*_args: Any) -> None:
+        opt = ref()
+        if opt is not None:
+            opt._wait_buckets(buckets, reason)
+
+    return hook
 
 
 class DistributedOptimizer:
@@ -110,20 +135,25 @@ class DistributedOptimizer:
 
     Parameters are DTensors on ``mesh`` that are ``Replicate()`` on the data-parallel
     mesh dim ``dp_dim`` (any placements on the other dims, e.g. tensor-parallel
-    ``Shard``). Their local tensors are concatenated, per dtype, into a virtual flat
-    buffer that is cut into ``N`` contiguous, padding-free ranges (sizes differ by at
-    most one element); dp rank ``r`` owns range ``r``. A parameter's piece of a range
-    is a ``RaggedShard``-style view: one contiguous slice of its flattened local
+    ``Shard``). Their local tensors are grouped, per dtype and in parameter order, into
+    buckets (one per dtype unless ``bucket_cap_mb`` limits their size); each bucket is a
+    virtual flat buffer cut into ``N`` contiguous, padding-free ranges (sizes differ by
+    at most one element), and dp rank ``r`` owns range ``r``. A parameter's piece of a
+    range is a ``RaggedShard``-style view: one contiguous slice of its flattened local
     tensor. Each ``step()``:
 
-    1. packs the gradients into one flat buffer per dtype (cast to
+    1. packs the gradients into one flat buffer per bucket (cast to
        ``grad_reduce_dtype``) and reduce-scatters it with the average over dp
        (``Partial`` grads on the dp dim are summed instead);
     2. optionally clips by the global gradient norm (each element counted once);
-    3. runs the inner ``optimizer_cls`` on this rank's slices (fp32 master slices
-       when ``master_dtype`` is set): each rank holds state for 1/N of every
-       parameter;
-    4. all-gathers the updated slices into the parameters' local tensors.
+    3. runs the inner ``optimizer_cls`` on this rank's slices (views of the parameters,
+       updated in place; fp32 master copies when ``master_dtype`` is set): each rank
+       holds state for 1/N of every parameter;
+    4. all-gathers the updated slices into the parameters' local tensors, one
+       all-gather per bucket. With ``overlap_param_gather=True`` the all-gathers are
+       only launched: ``step()`` returns at once and forward pre-hooks on the modules
+       owning the parameters wait for a bucket right before the first module that
+       uses it runs, so the gathers overlap the forward of the layers before.
 
     With ``zero_stage=2`` (default) the full gradients are released right after the
     reduce-scatter (``param.grad = None``), so between steps only the sharded
@@ -139,18 +169,40 @@ class DistributedOptimizer:
         mesh: The device mesh of the parameters.
         dp_dim: Index or name of the data-parallel mesh dim.
         master_dtype: Dtype of the master copy the inner optimizer steps (e.g.
-            ``torch.float32`` for bf16 params). ``None``: the parameters' dtype.
+            ``torch.float32`` for bf16 params). ``None``: no copy, the inner optimizer
+            steps views of the parameters.
         grad_reduce_dtype: Dtype of the gradient reduce-scatter (e.g.
             ``torch.float32``). ``None``: the parameters' dtype.
         clip_grad_norm: Max global gradient norm; ``None`` disables clipping.
         norm_type: ``p`` of the clipping norm.
         zero_stage: ``1`` or ``2`` (see above).
+        model: The module that owns the parameters, when ``params_or_model`` is a
+            list of parameters or param groups (implied when it is a module). State
+            dicts are keyed by the parameters' names in it, and the overlap hooks are
+            registered on its submodules.
+        overlap_param_gather: Launch the parameter all-gathers asynchronously at the
+            end of ``step()`` and wait for each bucket in a forward pre-hook of the
+            modules owning its parameters (needs the model). ``state_dict()``,
+            ``load_state_dict()``, the next ``step()``, the model's ``state_dict()`` /
+            ``load_state_dict()`` and :meth:`wait_param_gather` wait too; any other read
+            of the parameters before the next forward must call
+            :meth:`wait_param_gather` first.
+        bucket_cap_mb: Largest bucket in MiB (a bigger parameter gets a bucket of its
+            own). ``None``: one bucket per dtype, or ``DEFAULT_OVERLAP_BUCKET_MB`` with
+            ``overlap_param_gather``.
         **optimizer_kwargs: Passed to ``optimizer_cls``.
+
+    Attributes:
+        param_gather_waits: ``Counter`` of the bucket all-gathers completed, by where
+            they were waited for: ``"forward"`` (a forward pre-hook), ``"step"``,
+            ``"explicit"`` (:meth:`wait_param_gather`), ``"state_dict"``,
+            ``"load_state_dict"``, ``"model_state_dict"``, ``"model_load_state_dict"``.
 
     Raises:
         TypeError: For a non element-wise ``optimizer_cls`` or non-DTensor params.
         ValueError: For a ``dp_dim`` not in the mesh, parameters on another mesh, or
-            parameters not replicated over ``dp_dim``.
+            parameters not replicated over ``dp_dim``; parameters not in ``model``;
+            ``overlap_param_gather`` without a model.
     """
 
     def __init__(
@@ -165,6 +217,9 @@ class DistributedOptimizer:
         clip_grad_norm: float | None = None,
         norm_type: float = 2.0,
         zero_stage: int = 2,
+        model: nn.Module | None = None,
+        overlap_param_gather: bool = False,
+        bucket_cap_mb: float | None = None,
         **optimizer_kwargs: Any,
     ) -> None:
         _check_optimizer_cls(optimizer_cls)
@@ -172,6 +227,20 @@ class DistributedOptimizer:
             raise TypeError(f"mesh must be a DeviceMesh, got {type(mesh).__name__}")
         if zero_stage not in (1, 2):
             raise ValueError(f"zero_stage must be 1 or 2, got {zero_stage!r}")
+        if bucket_cap_mb is not None and not bucket_cap_mb > 0:
+            raise ValueError(f"bucket_cap_mb must be positive or None, got {bucket_cap_mb!r}")
+        if model is not None and not isinstance(model, nn.Module):
+            raise TypeError(f"model must be an nn.Module, got {type(model).__name__}")
+        if isinstance(params_or_model, nn.Module):
+            if model is not None and model is not params_or_model:
+                raise ValueError("pass the model either as params_or_model or as model=, not both")
+            model = params_or_model
+        if overlap_param_gather and model is None:
+            raise ValueError(
+                "overlap_param_gather=True needs the model: its forward pre-hooks wait for "
+                "the parameter all-gathers. Pass the module as the first argument or as "
+                "model=..."
+            )
         self.mesh = mesh
         self.dp_dim = resolve_mesh_dim(mesh, dp_dim)
         self.dp_size = mesh.size(self.dp_dim)
@@ -182,8 +251,24 @@ class DistributedOptimizer:
         self.norm_type = norm_type
         self.zero_stage = zero_stage
         self.optimizer_cls = optimizer_cls
+        self.overlap_param_gather = bool(overlap_param_gather)
+        if bucket_cap_mb is None and self.overlap_param_gather:
+            bucket_cap_mb = DEFAULT_OVERLAP_BUCKET_MB
+        self.bucket_cap_mb = bucket_cap_mb
+        self.param_gather_waits: Counter[str] = Counter()
+        self._optimizer_kwargs = dict(optimizer_kwargs)
 
         groups, names = normalize_param_groups(params_or_model)
+        if model is not None:
+            model_names = {id(p): n for n, p in model.named_parameters()}
+            for g in groups:
+                for p in g["params"]:
+                    if id(p) not in model_names:
+                        raise ValueError(
+                            f"parameter {names[id(p)]!r} (shape {tuple(p.shape)}) is not a "
+                            "parameter of the model passed to DistributedOptimizer"
+                        )
+            names.update({k: v for k, v in model_names.items() if k in names})
         self._infos: list[_ParamInfo] = []
         for g in groups:
             for p in g["params"]:
@@ -199,6 +284,10 @@ class DistributedOptimizer:
             inner_groups.append(ig)
         self.optimizer = optimizer_cls(inner_groups, **optimizer_kwargs)
         self._state_mesh: DeviceMesh | None = None
+        self._hook_handles: list[Any] = []
+        if self.overlap_param_gather:
+            assert model is not None
+            self._register_hooks(model)
 
     # ------------------------------------------------------------------ planning
     def _check_param(self, p: torch.Tensor, name: str, index: int) -> _ParamInfo:
@@ -233,33 +322,76 @@ class DistributedOptimizer:
             raise ValueError(f"parameter {name!r} has Partial placements {pls}")
         if not p.is_floating_point():
             raise TypeError(f"parameter {name!r} has non-floating dtype {p.dtype}")
-        numel = local_of(p).numel()
+        local = local_of(p)
+        if not local.is_contiguous():
+            raise ValueError(
+                f"parameter {name!r} has a non-contiguous local tensor; DistributedOptimizer "
+                "slices the flattened local tensor in place"
+            )
         dims = tuple(d for d in sharded_mesh_dims(pls) if d != self.dp_dim)
-        return _ParamInfo(index, name, p, pls, numel, 0, [], 0, 0, sharded_dims=dims)
+        return _ParamInfo(index, name, p, pls, local.numel(), sharded_dims=dims)
 
     def _plan_buckets(self) -> list[_Bucket]:
-        by_dtype: dict[torch.dtype, list[_ParamInfo]] = {}
+        cap = None if self.bucket_cap_mb is None else self.bucket_cap_mb * 2**20
+        buckets: list[_Bucket] = []
+        open_by_dtype: dict[torch.dtype, _Bucket] = {}
+        filled: dict[int, int] = {}  # bucket index -> elements so far
         for info in self._infos:
-            by_dtype.setdefault(info.param.dtype, []).append(info)
-        buckets = []
+            dtype = info.param.dtype
+            b = open_by_dtype.get(dtype)
+            if b is not None and cap is not None:
+                esize = torch.empty((), dtype=dtype).element_size()
+                if (filled[b.index] + info.numel) * esize > cap:
+                    b = None
+            if b is None:
+                b = _Bucket(len(buckets), dtype, [])
+                buckets.append(b)
+                open_by_dtype[dtype] = b
+                filled[b.index] = 0
+            b.params.append(info)
+            filled[b.index] += info.numel
         n, r = self.dp_size, self.dp_rank
-        for dtype, infos in by_dtype.items():
+        for b in buckets:
             total = 0
-            for info in infos:
+            for info in b.params:
                 info.offset = total
+                info.bucket = b.index
                 total += info.numel
             bounds = _even_bounds(total, n)
-            for info in infos:
-                a, b = info.offset, info.offset + info.numel
-                info.counts = [max(0, min(b, hi) - max(a, lo)) for lo, hi in bounds]
+            b.sizes = [hi - lo for lo, hi in bounds]
+            for info in b.params:
+                a, e = info.offset, info.offset + info.numel
+                info.counts = [max(0, min(e, hi) - max(a, lo)) for lo, hi in bounds]
                 lo, hi = bounds[r]
                 info.lo = min(max(lo - a, 0), info.numel)
                 info.hi = max(min(hi - a, info.numel), info.lo)
-                src = local_of(info.param).detach().reshape(-1)[info.lo : info.hi]
-                sdtype = self.master_dtype or dtype
-                info.shard = src.to(sdtype, copy=True)
-            buckets.append(_Bucket(dtype, infos, [hi - lo for lo, hi in bounds]))
+                mine = local_of(info.param).detach().view(-1)[info.lo : info.hi]
+                if self.master_dtype is None:
+                    # a view: the inner optimizer updates this rank's slice in place
+                    info.shard = mine
+                else:
+                    info.shard = mine.to(self.master_dtype, copy=True)
         return buckets
+
+    def _register_hooks(self, model: nn.Module) -> None:
+        """Forward pre-hooks (and model state-dict pre-hooks) that wait for the buckets."""
+        by_id = {id(i.param): i for i in self._infos}
+        ref = weakref.ref(self)
+        for mod in model.modules():
+            owned = sorted(
+                {by_id[id(p)].bucket for p in mod._parameters.values() if id(p) in by_id}
+            )
+            if not owned:
+                continue
+            bs = tuple(owned)
+            self._hook_handles += [
+                # prepend: run before any other pre-hook that could read the parameters
+                mod.register_forward_pre_hook(_waiting_hook(ref, bs, "forward"), prepend=True),
+                mod.register_state_dict_pre_hook(_waiting_hook(ref, bs, "model_state_dict")),
+                mod.register_load_state_dict_pre_hook(
+                    _waiting_hook(ref, bs, "model_load_state_dict")
+                ),
+            ]
 
     # ------------------------------------------------------------------ properties
     @property
@@ -274,8 +406,24 @@ class DistributedOptimizer:
 
     @property
     def params(self) -> list[DTensor]:
-        """The managed parameters, in order."""
+        """The managed parameters, in order (waits for pending all-gathers first)."""
+        self._wait_all("explicit")
         return [i.param for i in self._infos]
+
+    @property
+    def param_names(self) -> list[str]:
+        """The managed parameters' names (the keys of :meth:`state_dict`), in order."""
+        return [i.name for i in self._infos]
+
+    @property
+    def num_buckets(self) -> int:
+        """Number of buckets (one reduce-scatter and one all-gather each per step)."""
+        return len(self._buckets)
+
+    @property
+    def num_pending_param_gathers(self) -> int:
+        """Buckets whose all-gather was launched by ``step()`` and not waited for yet."""
+        return sum(b.pending is not None for b in self._buckets)
 
     def local_shards(self) -> list[torch.Tensor]:
         """This rank's slices (master copies if ``master_dtype``), one per parameter."""
@@ -337,14 +485,45 @@ class DistributedOptimizer:
                 if self.zero_stage >= 2:
                     info.param.grad = None
 
-    def _all_gather_params(self) -> None:
+    def _launch_param_gather(self) -> None:
+        """Start one all-gather per bucket of the updated slices (no waiting)."""
         group = (self.mesh, self.dp_dim)
         for bucket in self._buckets:
+            if bucket.pending is not None:  # never two gathers in flight for one bucket
+                self._wait_bucket(bucket, "step")
             mine = torch.cat([i.shard.detach().to(bucket.dtype) for i in bucket.params])
-            full = all_gather_uneven(mine, group, sizes=bucket.sizes)
-            # full is in rank order; every param's elements are contiguous in it
+            bucket.pending = all_gather_uneven(mine, group, sizes=bucket.sizes, async_op=True)
+
+    def _wait_bucket(self, bucket: _Bucket, reason: str) -> None:
+        handle = bucket.pending
+        if handle is None:
+            return
+        bucket.pending = None
+        full = handle.wait()
+        # full is in rank order; every param's elements are contiguous in it
+        with torch.no_grad():
             for info in bucket.params:
                 local_of(info.param).view(-1).copy_(full[info.offset : info.offset + info.numel])
+        self.param_gather_waits[reason] += 1
+
+    def _wait_buckets(self, indices: tuple[int, ...], reason: str) -> None:
+        for b in indices:
+            self._wait_bucket(self._buckets[b], reason)
+
+    def _wait_all(self, reason: str) -> None:
+        for b in self._buckets:
+            self._wait_bucket(b, reason)
+
+    def wait_param_gather(self) -> None:
+        """Wait for every pending parameter all-gather and update the parameters.
+
+        Only needed with ``overlap_param_gather=True`` before reading the parameters
+        outside the model's forward (e.g. evaluating them directly); the forward
+        pre-hooks, ``step()``, ``state_dict()``, ``load_state_dict()`` and the model's
+        ``state_dict()`` wait by themselves. A no-op when nothing is pending. It issues
+        no collective, so it is safe to call on some ranks only.
+        """
+        self._wait_all("explicit")
 
     def clip_grad_norm_(self, max_norm: float, norm_type: float | None = None) -> torch.Tensor:
         """Clip the sharded gradients (after the reduce-scatter) by their global norm."""
@@ -365,6 +544,9 @@ class DistributedOptimizer:
     def step(self, closure: Callable[[], Any] | None = None) -> Any:
         """Reduce-scatter grads, (clip,) step the inner optimizer, all-gather params.
 
+        With ``overlap_param_gather`` the all-gathers are launched and left pending
+        (see the class docstring); otherwise they are complete when this returns.
+
         Args:
             closure: Optional closure that re-evaluates the model (called once, with
                 grad enabled, before anything else).
@@ -373,6 +555,7 @@ class DistributedOptimizer:
             The global gradient norm (before clipping) when ``clip_grad_norm`` is set,
             else the closure's loss (or ``None``).
         """
+        self._wait_all("step")  # a gather of the previous step no forward waited for
         loss = None
         if closure is not None:
             with torch.enable_grad():
@@ -382,7 +565,9 @@ class DistributedOptimizer:
         if self.clip_grad_norm is not None:
             norm = self.clip_grad_norm_(self.clip_grad_norm)
         self.optimizer.step()
-        self._all_gather_params()
+        self._launch_param_gather()
+        if not self.overlap_param_gather:
+            self._wait_all("step")
         return norm if norm is not None else loss
 
     # ------------------------------------------------------------------ state dict
@@ -443,25 +628,67 @@ class DistributedOptimizer:
             and v.numel() == info.hi - info.lo
         )
 
-    def state_dict(self) -> dict[str, Any]:
-        """Optimizer state with per-parameter tensors as DTensors.
+    def _fresh_state(self, indices: list[int]) -> dict[int, dict[str, Any]]:
+        """The state a first ``step()`` creates for the parameters at ``indices``.
 
-        Each sharded state tensor (e.g. ``exp_avg``) becomes a DTensor of the
-        parameter's global shape on the mesh with the dp dim moved last (the mesh
-        itself if dp is already its last dim): the parameter's placements on the other
-        dims and ``RaggedShard(all dims, counts)`` on dp, where ``counts`` are the
-        elements each dp rank owns. ``full_tensor()`` gives the unsharded state, and a
-        checkpoint can reshard it to another dp size. Scalars (``step``) stay plain.
-        With ``master_dtype`` the master weights are saved as ``"master_param"``.
-
-        Returns:
-            ``{"state": {index: {name: value}}, "param_groups": [...]}`` in the layout
-            of ``torch.optim.Optimizer.state_dict()`` (parameter indices in order).
+        Runs the inner optimizer class once, with zero gradients, on copies of this
+        rank's slices (the live optimizer and parameters are untouched), then resets
+        ``step`` to 0. For Adam-type optimizers (zero moments), Adagrad, RMSprop,
+        Adadelta, Adamax, RAdam, Rprop and SGD without dampening this is exactly the
+        never-stepped state.
         """
+        pos = {id(i.shard): k for k, i in enumerate(self._infos)}
+        clones = [i.shard.detach().clone() for i in self._infos]
+        groups = []
+        for g in self.optimizer.param_groups:
+            ng = {k: v for k, v in g.items() if k != "params"}
+            ng["params"] = [clones[pos[id(p)]] for p in g["params"]]
+            groups.append(ng)
+        tmp = self.optimizer_cls(groups, **self._optimizer_kwargs)
+        for c in clones:
+            c.grad = torch.zeros_like(c)
+        with torch.no_grad():
+            tmp.step()
+        out: dict[int, dict[str, Any]] = {}
+        for k in indices:
+            st = dict(tmp.state.get(clones[k], {}))
+            if "step" in st:
+                v = st["step"]
+                st["step"] = torch.zeros_like(v) if isinstance(v, torch.Tensor) else type(v)(0)
+            out[k] = st
+        return out
+
+    def state_dict(self) -> dict[str, Any]:
+        """Optimizer state keyed by parameter name, with sharded tensors as DTensors.
+
+        The layout is that of ``torch.distributed.checkpoint.state_dict.
+        get_optimizer_state_dict``: ``{"state": {name: {key: value}}, "param_groups":
+        [{..., "params": [name, ...]}]}``, where names are the parameters' names in the
+        model (``"param[<index>]"`` when no model was given). So
+        ``vescale.checkpoint.save(path, {"model": model, "optimizer": opt})`` writes the
+        same keys as for a plain torch optimizer on the same model, and the checkpoint
+        loads into a ``DistributedOptimizer`` of any dp size or mesh, or into a torch
+        optimizer.
+
+        Each sharded state tensor (e.g. ``exp_avg``) is a DTensor of the parameter's
+        global shape on the mesh with the dp dim moved last (the mesh itself if dp is
+        already its last dim): the parameter's placements on the other dims and
+        ``RaggedShard(all dims, counts)`` on dp, where ``counts`` are the elements each
+        dp rank owns. ``full_tensor()`` gives the unsharded state. Scalars (``step``)
+        stay plain. With ``master_dtype`` the master weights are saved as
+        ``"master_param"``. Parameters without state yet (never stepped) get the state
+        a first step creates (zeros, ``step`` 0; see :meth:`_fresh_state`), so a fresh
+        optimizer's state dict is a complete load target.
+
+        Waits for pending parameter all-gathers first.
+        """
+        self._wait_all("state_dict")
         inner = self.optimizer.state_dict()
-        state: dict[int, dict[str, Any]] = {}
+        missing = [k for k in range(len(self._infos)) if k not in inner["state"]]
+        fresh = self._fresh_state(missing) if missing else {}
+        state: dict[str, dict[str, Any]] = {}
         for idx, info in enumerate(self._infos):
-            st = inner["state"].get(idx)
+            st = inner["state"].get(idx, fresh.get(idx))
             out: dict[str, Any] = {}
             if st is not None:
                 for k, v in st.items():
@@ -469,17 +696,25 @@ class DistributedOptimizer:
             if self.master_dtype is not None:
                 out["master_param"] = self._wrap(info, info.shard.detach())
             if out:
-                state[idx] = out
-        return {"state": state, "param_groups": inner["param_groups"]}
+                state[info.name] = out
+        groups = []
+        for g in inner["param_groups"]:
+            g = dict(g)
+            g["params"] = [self._infos[i].name for i in g["params"]]
+            groups.append(g)
+        return {"state": state, "param_groups": groups}
 
     def _my_slice(self, info: _ParamInfo, v: torch.Tensor) -> torch.Tensor:
         """This rank's flat slice of a state tensor given in any layout."""
         p = info.param
         if isinstance(v, DTensor):
-            if v.device_mesh is self._state_mesh and tuple(v.placements) == self._state_placements(
-                info
-            ):
-                return local_of(v).reshape(-1)
+            if v.device_mesh is self._state_mesh:
+                pls = tuple(v.placements)
+                mine = self._state_placements(info)
+                if pls == mine:  # our own layout: the local tensor is the slice
+                    return local_of(v).reshape(-1)
+                if pls == (*mine[:-1], Replicate()):  # our gathered fallback layout
+                    return local_of(v).reshape(-1)[info.lo : info.hi]
             v = v.full_tensor()
         if tuple(v.shape) != tuple(p.shape):
             raise ValueError(
@@ -491,26 +726,71 @@ class DistributedOptimizer:
         tp_local = local_of(distribute_tensor(v.detach(), self.mesh, pls, src_data_rank=None))
         return tp_local.reshape(-1)[info.lo : info.hi]
 
-    def load_state_dict(self, state_dict: dict[str, Any]) -> None:
-        """Load a state dict from :meth:`state_dict`, on any dp size.
+    def _lookup(self, state: dict[Any, Any], info: _ParamInfo) -> Any:
+        for key in (info.name, info.index, str(info.index)):
+            if key in state:
+                return state[key]
+        return None
 
-        Sharded states may be DTensors in this optimizer's layout (loaded without
-        communication), DTensors in any other layout (e.g. saved with another dp size:
-        unsharded with ``full_tensor()`` and re-sliced) or full plain tensors of the
-        parameter's shape. ``master_param`` entries overwrite the master copies and the
-        parameters (all-gathered).
+    def load_state_dict(self, state_dict: dict[str, Any]) -> None:
+        """Load a state dict from :meth:`state_dict` (or a torch optimizer's), on any dp size.
+
+        ``state`` may be keyed by parameter name (as :meth:`state_dict` and
+        ``get_optimizer_state_dict`` write it) or by index (as
+        ``torch.optim.Optimizer.state_dict``). Sharded states may be DTensors in this
+        optimizer's layout (loaded without communication), DTensors in any other layout
+        (unsharded with ``full_tensor()`` and re-sliced) or full plain tensors of the
+        parameter's shape. ``param_groups`` must have this optimizer's groups, in order.
+
+        ``master_param`` entries overwrite the master copies and the parameters
+        (all-gathered); with ``master_dtype`` and no ``master_param`` in the state, the
+        master copies are refreshed from the parameters (load the model first, as
+        ``vescale.checkpoint.load`` does). Without ``master_dtype`` the inner optimizer
+        steps views of the parameters, so a loaded model is picked up as it is.
         """
+        self._wait_all("load_state_dict")
+        saved_groups = state_dict["param_groups"]
+        live_groups = self.optimizer.param_groups
+        if len(saved_groups) != len(live_groups):
+            raise ValueError(
+                f"the state dict has {len(saved_groups)} param groups, this optimizer has "
+                f"{len(live_groups)}"
+            )
+        pos = {id(i.shard): k for k, i in enumerate(self._infos)}
+        inner_groups = []
+        for gi, (sg, lg) in enumerate(zip(saved_groups, live_groups)):
+            ours = [pos[id(p)] for p in lg["params"]]
+            theirs = list(sg["params"])
+            if len(theirs) != len(ours):
+                raise ValueError(
+                    f"param group {gi} has {len(theirs)} parameters in the state dict and "
+                    f"{len(ours)} in this optimizer"
+                )
+            names = [self._infos[k].name for k in ours]
+            if all(isinstance(x, str) for x in theirs) and set(theirs) != set(names):
+                raise ValueError(
+                    f"param group {gi}: the state dict's parameters "
+                    f"{sorted(set(theirs) - set(names))} are not in this optimizer, which has "
+                    f"{sorted(set(names) - set(theirs))} instead"
+                )
+            ng = {k: v for k, v in sg.items() if k != "params"}
+            ng["params"] = ours
+            inner_groups.append(ng)
+
+        saved_state = state_dict["state"]
         inner_state: dict[int, dict[str, Any]] = {}
-        got_master = False
+        got_master = []
         for idx, info in enumerate(self._infos):
-            st = state_dict["state"].get(idx, state_dict["state"].get(str(idx)))
+            st = self._lookup(saved_state, info)
             if st is None:
                 continue
             new: dict[str, Any] = {}
             for k, v in st.items():
                 if k == "master_param":
+                    if self.master_dtype is None:
+                        continue  # the parameters themselves are the weights
                     info.shard.copy_(self._my_slice(info, v).to(info.shard.dtype))
-                    got_master = True
+                    got_master.append(idx)
                 elif isinstance(v, DTensor) or (
                     isinstance(v, torch.Tensor)
                     and k != "step"
@@ -522,16 +802,24 @@ class DistributedOptimizer:
                     new[k] = v.clone() if isinstance(v, torch.Tensor) else v
             if new:
                 inner_state[idx] = new
-        self.optimizer.load_state_dict(
-            {"state": inner_state, "param_groups": state_dict["param_groups"]}
-        )
-        if got_master:
+        self.optimizer.load_state_dict({"state": inner_state, "param_groups": inner_groups})
+        if self.master_dtype is not None:
+            loaded = set(got_master)
             with torch.no_grad():
-                self._all_gather_params()
+                for idx, info in enumerate(self._infos):
+                    if idx not in loaded:
+                        src = local_of(info.param).detach().view(-1)[info.lo : info.hi]
+                        info.shard.copy_(src.to(info.shard.dtype))
+            if got_master:
+                with torch.no_grad():
+                    self._launch_param_gather()
+                    self._wait_all("load_state_dict")
 
     def __repr__(self) -> str:
         return (
             f"DistributedOptimizer({self.optimizer_cls.__name__}, dp_dim="
             f"{dim_label(self.mesh, self.dp_dim)}, dp_size={self.dp_size}, "
-            f"params={len(self._infos)}, master_dtype={self.master_dtype})"
+            f"params={len(self._infos)}, buckets={len(self._buckets)}, "
+            f"master_dtype={self.master_dtype}, "
+            f"overlap_param_gather={self.overlap_param_gather})"
         )
