@@ -68,8 +68,8 @@ class ParallelConfig:
     device: str = _f("auto", "auto | cpu | cuda (auto: cuda when available)")
     data_parallel: str = _f(
         "auto",
-        "auto | ddp | fsdp | trainer: DModule's data_parallel engine on 'dp' (auto: ddp when "
-        "DModule offers it, else trainer) or the trainer's own bucketed all-reduce",
+        "auto | ddp | fsdp | trainer: DModule's data_parallel engine on 'dp' (auto: fsdp) "
+        "or the trainer's own gradient all-reduce",
     )
     tp_submesh: bool = _f(
         True,

@@ -92,6 +92,10 @@ def pick_device(cfg: Config) -> torch.device:
 
 
 # --------------------------------------------------------------------------- model
+#: ``--parallel.data_parallel auto``: DModule's engine on the "dp" mesh dim.
+DEFAULT_DP_ENGINE = "fsdp"
+
+
 def parallelize(model: torch.nn.Module, mesh, cfg: Config):
     """DModule with the automatic TP(+SP) plan on ``"tp"``; data parallelism on ``"dp"``.
 
@@ -116,23 +120,13 @@ def parallelize(model: torch.nn.Module, mesh, cfg: Config):
         return DModule(model, mesh, plan_for(mesh), **opts), "optimizer"
     want = cfg.parallel.data_parallel
     if mesh.size(0) > 1 and want != "trainer":
-        engine = "ddp" if want == "auto" else want
-        try:
-            dm = DModule(model, mesh, plan_for(mesh), data_parallel={"dp": engine}, **opts)
-            return dm, f"dmodule-{engine}"
-        except TypeError as e:
-            if "data_parallel" not in str(e):
-                raise
-            if want != "auto":
-                raise ConfigError(
-                    f"--parallel.data_parallel {want}: this vescale.dmodule has no "
-                    "data_parallel option yet (use auto or trainer)"
-                ) from e
-    # TODO(vescale.dmodule): switch to `data_parallel={"dp": ...}` above once DModule offers
-    # it; until then the trainer averages gradients over "dp" itself (sync_dp_grads).
-    # The parameters then need no "dp" dim at all: parallelizing on the 1-D "tp" sub-mesh
-    # gives the same TP(+SP) layout, and torch 2.13 plans DTensor ops on a 1-D mesh several
-    # times faster than on a 2-D one (the first step drops from ~25 s to ~5 s on 2 CPU cores).
+        engine = DEFAULT_DP_ENGINE if want == "auto" else want
+        dm = DModule(model, mesh, plan_for(mesh), data_parallel={"dp": engine}, **opts)
+        return dm, f"dmodule-{engine}"
+    # "trainer" (or dp == 1): this script averages gradients over "dp" itself
+    # (sync_dp_grads). The parameters then need no "dp" dim at all: parallelizing on the
+    # 1-D "tp" sub-mesh gives the same TP(+SP) layout, and torch 2.13 plans DTensor ops on
+    # a 1-D mesh several times faster than on a 2-D one.
     sub = mesh["tp"] if cfg.parallel.tp_submesh else mesh
     return DModule(model, sub, plan_for(sub), **opts), "trainer"
 
@@ -216,6 +210,7 @@ def build_optimizer(model, mesh, cfg: Config):
             torch.optim.AdamW,
             mesh=mesh,
             dp_dim="dp",
+            model=model,  # state keyed by parameter name (loads into torch AdamW too)
             clip_grad_norm=o.grad_clip or None,
             lr=o.lr,
             betas=(o.beta1, o.beta2),
