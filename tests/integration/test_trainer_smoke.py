@@ -71,6 +71,7 @@ def test_train_2x2_then_resume_on_2_ranks(tmp_path):
         cwd=REPO,
     )
     assert "mesh dp=2 x tp=2" in first.stdout
+    assert "data parallel: dmodule-fsdp" in first.stdout  # the default: FSDP x TP
     m = re.search(r"TRAINING COMPLETE: start loss ([\d.]+) -> end loss ([\d.]+)", first.stdout)
     assert m, first.stdout[-2000:]
     metrics = json.loads((run_dir / "metrics.json").read_text())
