@@ -11,10 +11,15 @@ derived from the model's structure through the ``vescale_sharding_plan`` hook.
 Data parallelism is chosen per named mesh dim with ``data_parallel={"dp": "ddp"}`` or
 ``{"dp": "fsdp"}`` (or directly with :func:`replicate` / :func:`fully_shard`): DDP with
 bucketed, overlapped all-reduces, and FSDP whose parameters are ``RaggedShard`` views of
-padding-free flat buffers gathered and reduce-scattered with no extra copies.
+padding-free flat buffers gathered and reduce-scattered with no extra copies. HSDP is
+``{"rep": "ddp", "shard": "fsdp"}``: sharded over one dim, replicated over the other.
+
+``activation_checkpointing=True`` (or regexes, or a predicate) recomputes the chosen
+submodules' activations in backward (:func:`apply_activation_checkpointing`).
 """
 
 from vescale.dmodule.__about__ import __version__
+from vescale.dmodule._activation_checkpoint import apply_activation_checkpointing
 from vescale.dmodule._api import DModule, dump_plan, is_dmodule, parallelize_module
 from vescale.dmodule._auto_plan import default_sharding_plan
 from vescale.dmodule._ddp import replicate
@@ -38,4 +43,5 @@ __all__ = [
     "get_dp_engine",
     "MixedPrecision",
     "dp_memory_bytes",
+    "apply_activation_checkpointing",
 ]

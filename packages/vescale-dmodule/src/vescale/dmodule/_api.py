@@ -30,6 +30,7 @@ _OPTIONS = {
     "src_data_rank": 0,
     "param_init_fn": None,
     "data_parallel": None,
+    "activation_checkpointing": None,
 }
 _DP_KINDS = ("ddp", "fsdp")
 
@@ -42,6 +43,8 @@ class _State:
     options: dict[str, Any]
     grad_sync: PartialGradSync
     handles: list = dataclasses.field(default_factory=list)
+    implicit: ImplicitReplicationHooks | None = None
+    checkpointed: list[str] = dataclasses.field(default_factory=list)
 
 
 class DModule:
@@ -235,7 +238,17 @@ def parallelize_module(
             distributed; ``None``: each rank's own; default ``0``),
             ``param_init_fn`` (``fn(module)`` that initialises a module's own
             parameters and buffers in place; used for models built on the ``meta``
-            device, default: the module's ``reset_parameters()``).
+            device, default: the module's ``reset_parameters()``),
+            ``data_parallel`` (mesh dim name or index -> ``"ddp"`` | ``"fsdp"``, or
+            ``{"mode": ..., **engine options}``: DDP or FSDP on one dim, or HSDP with
+            one ``"ddp"`` dim and one ``"fsdp"`` dim, e.g.
+            ``{"rep": "ddp", "shard": "fsdp"}``: parameters sharded over the fsdp
+            dim, replicated over the ddp dim; see ``docs/data_parallel.md``),
+            ``activation_checkpointing`` (``True``: the FSDP groups, or every
+            ``nn.ModuleList`` element; regex(es) full-matching ``named_modules()``
+            names; or a predicate ``(name, module) -> bool``: those submodules'
+            forwards run under non-reentrant ``torch.utils.checkpoint``; default
+            ``None``, off).
 
     A model built on the ``meta`` device is materialised module by module: each
     module's own tensors are allocated at full size on the mesh's device,
@@ -295,6 +308,12 @@ def parallelize_module(
 
     _check_meta_init(model, opts["param_init_fn"])
     _check_dp_against_plan(dp_specs, resolved, device_mesh)
+    ac = opts["activation_checkpointing"]
+    fsdp_groups = any(m == "fsdp" and "groups" in kw for _, m, kw in dp_specs)
+    if ac is not None and ac is not False and not (ac is True and fsdp_groups):
+        from vescale.dmodule._activation_checkpoint import resolve_checkpoint_modules
+
+        resolve_checkpoint_modules(model, ac)  # bad selections fail before any communication
     if dp_specs and not _has_tensor_parallelism(resolved):
         # Pure data parallelism: the DP engine owns the parameters (no TP wrapping).
         _materialize_meta(model, resolved, device_mesh, opts["param_init_fn"], local=False)
@@ -304,6 +323,7 @@ def parallelize_module(
         model.__dict__[_STATE] = state
         model.__class__ = _dmodule_class(type(model))
         _apply_data_parallel(model, device_mesh, dp_specs)
+        _apply_checkpointing(model, state, ac)
         return model
 
     # ---- from here on: communication (parameter distribution), no more validation.
@@ -348,20 +368,39 @@ def parallelize_module(
             continue
         done.add((id(mod), "out"))
         handles.append(mod.register_forward_hook(make_output_hook(spec, device_mesh)))
+    ir = None
     if opts["implicit_replication"]:
         ir = ImplicitReplicationHooks(device_mesh)
         handles.append(model.register_forward_pre_hook(ir.pre, prepend=True))
         handles.append(model.register_forward_hook(ir.post, always_call=True))
 
     sync = PartialGradSync(new_params, device_mesh, auto=bool(opts["grad_sync"]))
-    model.__dict__[_STATE] = _State(device_mesh, plan, resolved, opts, sync, handles)
+    state = _State(device_mesh, plan, resolved, opts, sync, handles, implicit=ir)
+    model.__dict__[_STATE] = state
     model.__class__ = _dmodule_class(type(model))
     _apply_data_parallel(model, device_mesh, dp_specs)
+    _apply_checkpointing(model, state, ac)
     return model
 
 
+def _apply_checkpointing(model: nn.Module, state: _State, which: Any) -> None:
+    if which is None or which is False:
+        return
+    from vescale.dmodule._activation_checkpoint import apply_activation_checkpointing
+
+    state.checkpointed = apply_activation_checkpointing(model, which)
+
+
+def _dim_name(mesh: DeviceMesh, dim: int) -> Any:
+    return mesh.mesh_dim_names[dim] if mesh.mesh_dim_names else dim
+
+
 def _parse_data_parallel(spec: Any, mesh: DeviceMesh) -> list[tuple[int, str, dict]]:
-    """``{"dp": "fsdp"}`` / ``{"dp": {"mode": "ddp", "bucket_cap_mb": 10}}`` -> checked list."""
+    """``{"dp": "fsdp"}`` / ``{"dp": {"mode": "ddp", "bucket_cap_mb": 10}}`` -> checked list.
+
+    One dim (DDP or FSDP), or two (HSDP: one ``"ddp"`` dim that replicates, one
+    ``"fsdp"`` dim that shards; returned ddp first).
+    """
     if spec is None:
         return []
     if not isinstance(spec, dict):
@@ -370,6 +409,7 @@ def _parse_data_parallel(spec: Any, mesh: DeviceMesh) -> list[tuple[int, str, di
         )
     names = list(mesh.mesh_dim_names or ())
     out = []
+    seen: dict[int, Any] = {}
     for key, value in spec.items():
         if isinstance(key, int) and not isinstance(key, bool):
             if not -mesh.ndim <= key < mesh.ndim:
@@ -383,6 +423,12 @@ def _parse_data_parallel(spec: Any, mesh: DeviceMesh) -> list[tuple[int, str, di
             raise ValueError(
                 f"data_parallel: {key!r} is not a mesh dim; the mesh dims are {names or list(range(mesh.ndim))}"
             )
+        if dim in seen:
+            raise ValueError(
+                f"data_parallel: {seen[dim]!r} and {key!r} are the same mesh dim "
+                f"{_dim_name(mesh, dim)!r}"
+            )
+        seen[dim] = key
         kwargs = dict(value) if isinstance(value, dict) else {"mode": value}
         mode = kwargs.pop("mode", None)
         if mode not in _DP_KINDS:
@@ -390,9 +436,33 @@ def _parse_data_parallel(spec: Any, mesh: DeviceMesh) -> list[tuple[int, str, di
                 f"data_parallel[{key!r}]: mode must be one of {_DP_KINDS}, got {mode!r}"
             )
         out.append((dim, mode, kwargs))
-    if len(out) > 1:
-        raise NotImplementedError(
-            f"data_parallel on more than one mesh dim (HSDP) is not supported yet; got {spec}"
+    if len(out) <= 1:
+        return out
+    dims = [repr(_dim_name(mesh, d)) for d, _, _ in out]
+    hint = (
+        "HSDP is one 'ddp' dim (replicas) and one 'fsdp' dim (shards), e.g. "
+        "{'rep': 'ddp', 'shard': 'fsdp'}"
+    )
+    if len(out) > 2:
+        raise ValueError(
+            f"data_parallel on {len(out)} mesh dims ({', '.join(dims)}) is not supported; {hint}"
+        )
+    modes = [m for _, m, _ in out]
+    if modes[0] == modes[1]:
+        extra = (
+            "; to shard over both, make them one mesh dim"
+            if modes[0] == "fsdp"
+            else "; to replicate over both, make them one mesh dim"
+        )
+        raise ValueError(
+            f"data_parallel: {modes[0]!r} on two mesh dims ({dims[0]} and {dims[1]}); {hint}{extra}"
+        )
+    out.sort(key=lambda s: s[1] != "ddp")  # ddp (replicate) first, then fsdp (shard)
+    rep_dim, _, rep_kwargs = out[0]
+    if rep_kwargs:
+        raise ValueError(
+            f"data_parallel: HSDP's replicate dim {_dim_name(mesh, rep_dim)!r} takes no DDP "
+            f"options (got {sorted(rep_kwargs)}); put FSDP options on the 'fsdp' dim"
         )
     return out
 
@@ -408,7 +478,7 @@ def _check_dp_against_plan(dp_specs: list, resolved: Any, mesh: DeviceMesh) -> N
     for dim, mode, _ in dp_specs:
         for e in resolved.params:
             if not e.placements[dim].is_replicate():
-                name = (mesh.mesh_dim_names or [dim])[dim] if mesh.mesh_dim_names else dim
+                name = _dim_name(mesh, dim)
                 raise ValueError(
                     f"data_parallel: {mode} on mesh dim {name!r}, but the sharding plan already "
                     f"places {e.names[0]!r} as {e.placements[dim]} on that dim"
@@ -419,6 +489,10 @@ def _apply_data_parallel(model: nn.Module, mesh: DeviceMesh, dp_specs: list) -> 
     from vescale.dmodule._ddp import replicate
     from vescale.dmodule._fsdp import fully_shard
 
+    if len(dp_specs) == 2:  # HSDP: (ddp dim, fsdp dim)
+        (rep_dim, _, _), (shard_dim, _, kwargs) = dp_specs
+        fully_shard(model, mesh, shard_dim, replicate_dim=rep_dim, **kwargs)
+        return
     for dim, mode, kwargs in dp_specs:
         if mode == "ddp":
             replicate(model, mesh, dim, **kwargs)

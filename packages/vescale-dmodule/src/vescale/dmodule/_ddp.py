@@ -24,7 +24,9 @@ can check.
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
+from collections.abc import Iterator
 
 import torch
 import torch.distributed as dist
@@ -181,6 +183,21 @@ class DDPEngine(SyncToggle):
         for paths, p in self._local_swaps:
             swap_param(paths, p)
         return None
+
+    @contextlib.contextmanager
+    def recompute_context(self, module: nn.Module) -> Iterator[None]:
+        """Run an activation-checkpoint recomputation of ``module`` (a submodule).
+
+        The root's forward hooks that swap in the plain local views of the
+        parameters do not run again in backward, so do it around the recomputation.
+        """
+        for paths, p in self._local_swaps:
+            swap_param(paths, p.to_local())
+        try:
+            yield
+        finally:
+            for paths, p in self._local_swaps:
+                swap_param(paths, p)
 
     def _make_hook(self, b: _Bucket, i: int):
         def hook(p: torch.Tensor) -> None:

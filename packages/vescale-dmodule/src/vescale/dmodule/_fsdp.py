@@ -45,6 +45,17 @@ own ``PartialGradSync`` is released (it watched the replaced parameters).
 Bytes sent per rank and step (ring): ``3 (N-1)/N P`` with ``reshard_after_forward``,
 ``2 (N-1)/N P`` without; no bytes are copied besides the collectives (mixed
 precision adds the casts, counted in :attr:`FSDPEngine.cast_copy_bytes`).
+
+**HSDP** (``replicate_dim``): the sharded parameters are also ``Replicate()`` on a
+second data-parallel dim (``R`` ranks). When a group's reduce-scatter has been
+waited, one asynchronous ``all_reduce(AVG)`` of its sharded gradient runs over that
+dim; the end-of-backward callback waits for them and then installs the gradients
+(``+ 2 (R-1)/R P/N`` bytes per step).
+
+**Activation checkpointing** (:mod:`._activation_checkpoint`): a group's forward may
+run again in backward. :meth:`FSDPEngine.recompute_context` unshards and swaps in the
+groups enclosing the recomputed module; the hooks of groups inside it see
+:meth:`FSDPEngine.in_recompute` and only unshard and swap in.
 """
 
 from __future__ import annotations
@@ -142,6 +153,7 @@ class _Group:
     bufs: list[_Buf]
     paths: dict[str, list]  # param name -> module paths
     unsharded: bool = False
+    swapped_in: bool = False
     gather_works: list = dataclasses.field(default_factory=list)
     gather_versions: list = dataclasses.field(default_factory=list)
     pre_bwd_done: bool = False
@@ -193,6 +205,7 @@ class FSDPEngine(SyncToggle):
         dp_dim: int,
         group_modules: list[tuple[str, nn.Module]],
         *,
+        replicate_dim: int | None = None,
         reshard_after_forward: bool,
         prefetch: bool,
         mixed_precision: MixedPrecision | None,
@@ -207,6 +220,10 @@ class FSDPEngine(SyncToggle):
         self.dp_dim = dp_dim
         self.world = mesh.size(dp_dim)
         self.pg = mesh.get_group(dp_dim)
+        # HSDP: the sharded gradients are also averaged over this mesh dim
+        self.replicate_dim = replicate_dim
+        self.rep_world = 1 if replicate_dim is None else mesh.size(replicate_dim)
+        self.rep_pg = None if replicate_dim is None else mesh.get_group(replicate_dim)
         self.reshard_after_forward = reshard_after_forward
         self.prefetch = prefetch
         self.mp = mixed_precision or MixedPrecision()
@@ -222,6 +239,9 @@ class FSDPEngine(SyncToggle):
         self._post_fwd_order: list[_Group] = []
         self._bwd_order: list[_Group] = []
         self._pending_reduce: tuple | None = None
+        self._pending_rep: list[tuple[list, list]] = []
+        self._recomputing = 0
+        self._enclosing: dict[int, list[_Group]] = {}
 
         paths = param_paths(module)
         params = {id(p): p for p in module.parameters()}
@@ -312,6 +332,8 @@ class FSDPEngine(SyncToggle):
             for b in g.bufs:
                 for n, sp in b.sharded.items():
                     swap_param(g.paths[n], sp)
+                for n in b.trainable:
+                    g.handles.append(b.leaves[n].register_hook(self._grad_guard(g)))
                 if find_unused_parameters:
                     for n in b.trainable:
                         g.handles.append(
@@ -469,10 +491,71 @@ class FSDPEngine(SyncToggle):
             src = b.leaves if unsharded else b.sharded
             for n, t in src.items():
                 swap_param(g.paths[n], t)
+        g.swapped_in = unsharded
+
+    # ------------------------------------------------------------------ recomputation
+    def in_recompute(self) -> bool:
+        """Whether a forward running now is an activation-checkpoint recomputation.
+
+        True inside :meth:`recompute_context` and whenever a forward runs inside the
+        autograd engine (a non-reentrant ``torch.utils.checkpoint`` recomputes from a
+        saved-tensor unpack hook during backward).
+        """
+        return self._recomputing > 0 or torch._C._current_graph_task_id() != -1
+
+    @contextlib.contextmanager
+    def recompute_context(self, module: nn.Module):
+        """Run an activation-checkpoint recomputation of ``module`` (a submodule).
+
+        The groups whose module contains ``module`` (its own group and the enclosing
+        ones, whose forward hooks do not run again) are unsharded if needed and their
+        unsharded parameters swapped in; groups inside ``module`` do it in their own
+        forward hooks, which only do that while recomputing (no forward-order
+        recording, prefetch, resharding, pre-backward hooks or post-backward
+        wrapping: those belong to the original forward). On exit every group swapped
+        in during the recomputation gets its sharded parameters back (a recomputation
+        may stop early, before inner groups' forward hooks ran); groups stay
+        unsharded until their post-backward reshards them.
+        """
+        enclosing = self._enclosing.get(id(module))
+        if enclosing is None:
+            enclosing = [g for g in self.groups if any(m is module for m in g.module.modules())]
+            self._enclosing[id(module)] = enclosing
+        before = {g.index for g in self.groups if g.swapped_in}
+        self._recomputing += 1
+        try:
+            for g in enclosing:
+                self._unshard(g)
+                self._swap(g, True)
+            yield
+        finally:
+            self._recomputing -= 1
+            for g in self.groups:
+                if g.swapped_in and g.index not in before:
+                    self._swap(g, False)
 
     # ------------------------------------------------------------------ hooks
+    def _cast_inputs(self, flat: list) -> list:
+        mp_dtype = self.mp.param_dtype if self.mp.cast_forward_inputs else None
+        if mp_dtype is None:
+            return flat
+        return [
+            t.to(mp_dtype)
+            if isinstance(t, torch.Tensor) and t.is_floating_point() and t.dtype != mp_dtype
+            else t
+            for t in flat
+        ]
+
     def _hook_pre(self, g: _Group) -> Callable:
         def hook(module, args, kwargs):
+            if self.in_recompute():
+                # activation-checkpoint recomputation in backward: only the parameters
+                self._unshard(g)
+                self._swap(g, True)
+                if not torch.is_grad_enabled():
+                    return None
+                flat, spec = tree_flatten((args, kwargs))
+                return tree_unflatten(self._cast_inputs(flat), spec)
             if g is self.root or (self.root is None and g is self._fwd_order[0]):
                 self._begin_forward()
             self._cur_fwd_order.append(g)
@@ -487,14 +570,7 @@ class FSDPEngine(SyncToggle):
             if not torch.is_grad_enabled():
                 return None
             flat, spec = tree_flatten((args, kwargs))
-            mp_dtype = self.mp.param_dtype if self.mp.cast_forward_inputs else None
-            if mp_dtype is not None:
-                flat = [
-                    t.to(mp_dtype)
-                    if isinstance(t, torch.Tensor) and t.is_floating_point() and t.dtype != mp_dtype
-                    else t
-                    for t in flat
-                ]
+            flat = self._cast_inputs(flat)
             idx = [i for i, t in enumerate(flat) if isinstance(t, torch.Tensor) and t.requires_grad]
             if idx:
                 outs = _PostBackward.apply(self, g, *[flat[i] for i in idx])
@@ -507,6 +583,8 @@ class FSDPEngine(SyncToggle):
     def _hook_post(self, g: _Group) -> Callable:
         def hook(module, args, output):
             self._swap(g, False)
+            if self.in_recompute():
+                return None  # stays unsharded until its post-backward
             self._post_fwd_order.append(g)
             if not torch.is_grad_enabled():
                 self._reshard(g)
@@ -529,6 +607,31 @@ class FSDPEngine(SyncToggle):
         for g in self.groups:
             g.pre_bwd_done = False
             g.post_bwd_done = False
+
+    def _grad_guard(self, g: _Group) -> Callable:
+        """Hook run before autograd accumulates into an unsharded leaf's ``.grad``.
+
+        The leaves' gradients are views of the group's flat gradient buffer, whose
+        storage is freed between backward passes: accumulating into it then would
+        write to freed memory. The buffer is normally allocated by the pre-backward
+        hook on the group's outputs; this makes sure of it even when that hook did not
+        fire (outputs autograd reached another way), and refuses a gradient that
+        arrives after the group's gradients were already reduced.
+        """
+
+        def hook(grad):
+            if g.post_bwd_done and self._sync:
+                raise RuntimeError(
+                    f"fully_shard: a gradient for a parameter of group {g.name or '<root>'!r} "
+                    "arrived after that group's gradients were reduced; a group must run "
+                    "once per forward (a module called twice, or a parameter used outside "
+                    "its group, is not supported)"
+                )
+            if not g.grads_live:
+                self._prepare_grads(g)
+            return None
+
+        return hook
 
     def _make_pre_backward(self, g: _Group) -> Callable:
         def hook(grad):
@@ -600,15 +703,42 @@ class FSDPEngine(SyncToggle):
 
     @torch.no_grad()
     def _wait_reduce(self) -> None:
+        """Wait for the pending reduce-scatter; HSDP: start its replicate all-reduce."""
         if self._pending_reduce is None:
             return
         g, pending = self._pending_reduce
         self._pending_reduce = None
+        done = []
         for b, work, src, dst, fresh in pending:
             if work is not None:
                 work.wait()
             if src is b.gfull:
                 self._track(-_free(b.gfull))
+            done.append((b, dst, fresh))
+        g.grads_live = False
+        if self.rep_world > 1:
+            # The sharded gradient (``dst``, referenced here until the work is waited)
+            # is averaged over the replicate dim while backward goes on.
+            works = [
+                dist.all_reduce(dst, op=dist.ReduceOp.AVG, group=self.rep_pg, async_op=True)
+                for _b, dst, _f in done
+            ]
+            self._pending_rep.append((done, works))
+        else:
+            self._finish_reduce(done)
+
+    @torch.no_grad()
+    def _wait_replicate(self) -> None:
+        """HSDP: wait for the replicate all-reduces, then install the gradients."""
+        pending, self._pending_rep = self._pending_rep, []
+        for done, works in pending:
+            for w in works:
+                w.wait()
+            self._finish_reduce(done)
+
+    @torch.no_grad()
+    def _finish_reduce(self, done: list) -> None:
+        for b, dst, fresh in done:
             if dst is not b.gshard:
                 if fresh:
                     b.gshard.copy_(dst)
@@ -628,7 +758,6 @@ class FSDPEngine(SyncToggle):
                 sp = b.sharded[n]
                 if sp.grad is None:
                     sp.grad = b.grad_dts[n]
-        g.grads_live = False
 
     def _finish_backward(self) -> None:
         self._cb_queued = False
@@ -636,6 +765,7 @@ class FSDPEngine(SyncToggle):
             if not g.post_bwd_done:
                 self._post_backward(g)
         self._wait_reduce()
+        self._wait_replicate()
         for g in self.groups:
             if g.unsharded or g.gather_works:
                 self._reshard(g)
@@ -653,6 +783,8 @@ class FSDPEngine(SyncToggle):
         )
         if self.world > 1:
             dist.all_reduce(flags, op=dist.ReduceOp.MAX, group=self.pg)
+        if self.rep_world > 1:
+            dist.all_reduce(flags, op=dist.ReduceOp.MAX, group=self.rep_pg)
         for (g, b, n), f in zip(names, flags.tolist()):
             if f == 0.0:
                 b.sharded[n].grad = None
@@ -707,6 +839,7 @@ def fully_shard(
     mesh: DeviceMesh,
     dp_dim: int | str = 0,
     *,
+    replicate_dim: int | str | None = None,
     groups: Sequence[str | nn.Module] | Callable[[str, nn.Module], bool] | None = None,
     reshard_after_forward: bool = True,
     prefetch: bool = True,
@@ -727,7 +860,14 @@ def fully_shard(
             parameter lives on ``engine.shard_mesh`` (``mesh`` with ``dp_dim`` moved
             last) as ``[<other dims' placements>, RaggedShard]``: the ``RaggedShard``
             cuts the TP-local tensor.
-        dp_dim: Name or index of the data-parallel mesh dim.
+        dp_dim: Name or index of the data-parallel mesh dim the parameters are
+            sharded over.
+        replicate_dim: HSDP: name or index of a second data-parallel mesh dim over
+            which the sharded parameters are replicated (``Replicate()`` there). After
+            each group's gradient reduce-scatter over ``dp_dim``, the sharded
+            gradient is averaged over this dim by one asynchronous all-reduce
+            (``2 (R-1)/R P/N`` more bytes per step, ``R`` its size), waited at the
+            end of backward. ``None``: plain FSDP.
         groups: Submodules gathered together (one flat buffer per group and dtype):
             names from ``named_modules()`` (regexes, full match), modules, or a
             predicate ``(name, module) -> bool``. The root is always a group and
@@ -751,7 +891,8 @@ def fully_shard(
         ``module`` itself; its engine is ``get_dp_engine(module)`` (:class:`FSDPEngine`).
 
     Raises:
-        ValueError: ``dp_dim`` not in the mesh, the module (or a submodule) already
+        ValueError: ``dp_dim`` (or ``replicate_dim``) not in the mesh, both the same
+            dim, the module (or a submodule) already
             data-parallel, parameters on several devices or not on the mesh's device
             type, a group name that matches nothing, a DTensor parameter on another
             mesh, not ``Replicate()`` on ``dp_dim``, ``Partial``, or with local shards
@@ -760,11 +901,19 @@ def fully_shard(
     """
     what = "fully_shard"
     dim = resolve_dp_dim(mesh, dp_dim)
+    rep_dim = None if replicate_dim is None else resolve_dp_dim(mesh, replicate_dim)
+    if rep_dim == dim:
+        raise ValueError(
+            f"{what}: replicate_dim {replicate_dim!r} is the sharded dim {dp_dim!r}; HSDP "
+            "needs two different mesh dims"
+        )
     if not isinstance(module, nn.Module):
         raise TypeError(f"{what}: expected an nn.Module, got {type(module).__name__}")
     check_not_wrapped(module, what)
     device = check_one_device(module, mesh, what)
     check_dp_replicated(module, mesh, dim, what)
+    if rep_dim is not None:
+        check_dp_replicated(module, mesh, rep_dim, what)
     mods = dict(module.named_modules())
     if groups is None:
         chosen = _default_groups(module)
@@ -793,6 +942,7 @@ def fully_shard(
         mesh,
         dim,
         group_modules,
+        replicate_dim=rep_dim,
         reshard_after_forward=reshard_after_forward,
         prefetch=prefetch,
         mixed_precision=mixed_precision,
