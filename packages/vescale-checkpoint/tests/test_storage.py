@@ -169,3 +169,67 @@ def test_keep_last_rotates_only_the_same_series(tmp_path):
     assert names == ["best_1", "latest", "step_0", "step_2", "step_3", "step_x"]
     vckpt.save(tmp_path / "latest", {"step": 4}, keep_last=1)  # no trailing number: no series
     assert "best_1" in {p.name for p in tmp_path.iterdir()}
+
+
+def test_stager_copies_big_tensors_in_parallel_slices():
+    from vescale.checkpoint._state import Stager
+
+    g = torch.Generator().manual_seed(0)
+    big = torch.randn(5 << 20, generator=g)  # 20 MiB: sliced over the threads
+    strided = torch.randn(1024, 5 << 10, generator=g).t()  # 20 MiB, not contiguous: one task
+    small = torch.randn(10, generator=g)
+    st = Stager(copy_threads=3)
+    for _ in range(2):  # the second staging reuses every buffer
+        st.begin()
+        bufs = [st.copy(k, t) for k, t in (("big", big), ("strided", strided), ("small", small))]
+        st.finish()
+        assert all(torch.equal(b, t) for b, t in zip(bufs, (big, strided, small)))
+        assert bufs[1].is_contiguous() and st.threads_used == 3
+    assert st.bytes_allocated == 0 and st.bytes_copied == (2 * (5 << 20) + 10) * 4
+    one = Stager(copy_threads=1)
+    one.begin()
+    buf = one.copy("big", big)
+    assert torch.equal(buf, big)  # copied at once when there is a single thread
+    one.finish()
+    assert one.threads_used == 1
+
+
+def test_crc32_implementations_agree(tmp_path, monkeypatch):
+    from vescale.checkpoint import _storage
+
+    data = torch.randn(1000).numpy().tobytes()
+    assert _storage.crc32(data) == zlib.crc32(data)
+    assert _storage.crc32(data[500:], _storage.crc32(data[:500])) == zlib.crc32(data)
+    monkeypatch.setenv("VESCALE_CHECKPOINT_CRC32", "zlib")
+    assert _storage._select_crc32() == (zlib.crc32, "zlib")
+    monkeypatch.setenv("VESCALE_CHECKPOINT_CRC32", "bogus")
+    with pytest.raises(ValueError, match="auto, isal or zlib"):
+        _storage._select_crc32()
+    # a checkpoint written with one implementation verifies with the other
+    isal = pytest.importorskip("isal.isal_zlib")
+    src = _state()
+    for write, read in ((isal.crc32, zlib.crc32), (zlib.crc32, isal.crc32)):
+        monkeypatch.setattr(_storage, "crc32", write)
+        path = tmp_path / f"c_{write.__module__}"
+        vckpt.save(path, src)
+        monkeypatch.setattr(_storage, "crc32", read)
+        dst = _state()
+        dst.update(_zeros_like({k: v for k, v in dst.items() if k != "model"}))
+        vckpt.load(path, dst)
+        assert torch.equal(dst["t"], src["t"])
+
+
+def test_async_handle_reports_when_done(tmp_path):
+    h = vckpt.save(tmp_path / "a", {"t": torch.ones(1000)}, async_op=True)
+    assert h.result() == str(tmp_path / "a")
+    assert h.total_seconds is not None and h.total_seconds >= h.blocking_seconds
+    assert h.bytes_written == 4000 and 0 < h.blocking_fraction <= 1
+
+
+def test_staging_a_freed_tensor_names_it(tmp_path):
+    base = torch.randn(1000)
+    live = base.view(10, 100)
+    base.untyped_storage().resize_(0)  # as FSDP frees an unsharded buffer
+    with pytest.raises(ValueError, match=r"opt\.buf: the tensor's storage holds 0 bytes"):
+        vckpt.save(tmp_path / "c", {"opt": {"buf": live}}, async_op=True)
+    assert not (tmp_path / "c").exists()

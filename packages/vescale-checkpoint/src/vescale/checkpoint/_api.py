@@ -6,12 +6,12 @@ import os
 import shutil
 import threading
 import time
-import uuid
 import warnings
-from concurrent.futures import Future
+from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass, field
 from typing import Any
 
+import torch
 import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint.api import CheckpointException
@@ -90,23 +90,30 @@ class SaveHandle:
 
     Attributes:
         path: The checkpoint directory being written.
-        blocking_seconds: Time the call blocked the caller (planning + staging for an
+        blocking_seconds: Time the call blocked the caller (flattening + staging for an
             async save; everything for a synchronous one).
         total_seconds: Time from the call to the commit (``None`` until done).
         bytes_written: Bytes of data files this rank wrote (``None`` until done).
     """
 
-    def __init__(self, path: str, future: Future[str], t0: float) -> None:
+    def __init__(
+        self, path: str, future: Future[str], t0: float, stats: dict[str, Any] | None = None
+    ) -> None:
         self.path = path
         self._future = future
         self._t0 = t0
+        # Filled by the save itself before its future completes (no callback races).
+        self._stats = stats if stats is not None else {}
+        self._retrieved = False
         self.blocking_seconds = 0.0
-        self.total_seconds: float | None = None
-        self.bytes_written: int | None = None
-        future.add_done_callback(self._done)
 
-    def _done(self, _fut: Future[str]) -> None:
-        self.total_seconds = time.perf_counter() - self._t0
+    @property
+    def total_seconds(self) -> float | None:
+        return self._stats.get("total_seconds")
+
+    @property
+    def bytes_written(self) -> int | None:
+        return self._stats.get("bytes_written")
 
     def done(self) -> bool:
         """True once the checkpoint is committed (or the save failed)."""
@@ -114,14 +121,19 @@ class SaveHandle:
 
     def result(self, timeout: float | None = None) -> str:
         """Wait for the commit and return the checkpoint path (re-raises a failure)."""
-        return self._future.result(timeout)
+        try:
+            return self._future.result(timeout)
+        except BaseException:
+            if self._future.done():
+                self._retrieved = True  # the caller has seen the failure
+            raise
 
     wait = result
 
     @property
     def blocking_fraction(self) -> float | None:
         """``blocking_seconds / total_seconds`` once done."""
-        if self.total_seconds is None or self.total_seconds == 0:
+        if not self.total_seconds:
             return None
         return self.blocking_seconds / self.total_seconds
 
@@ -133,16 +145,24 @@ class SaveHandle:
 _pending: SaveHandle | None = None
 _stager = Stager()
 _pending_lock = threading.Lock()
-_async_groups: dict[int, Any] = {}
+_async_groups: dict[tuple[int, ...] | None, tuple[Any, Any]] = {}
+_executor: ThreadPoolExecutor | None = None
+_warned_sync_fallback = False
 
 
 def wait_pending() -> None:
-    """Wait for the previous asynchronous :func:`save` of this process (re-raises its error)."""
+    """Wait for the previous asynchronous :func:`save` of this process.
+
+    Re-raises its error, unless the caller already got it from :meth:`SaveHandle.result`.
+    """
     global _pending
     with _pending_lock:
         handle, _pending = _pending, None
     if handle is not None:
-        handle.result()
+        if handle._retrieved:
+            handle._future.exception()  # wait only
+        else:
+            handle.result()
 
 
 def free_staging_buffers() -> None:
@@ -175,19 +195,56 @@ def _dist_on() -> bool:
     return dist.is_available() and dist.is_initialized()
 
 
-def _async_group() -> Any:
-    """A gloo group for background saves, so they never interleave with training collectives."""
-    key = id(dist.distributed_c10d._get_default_group())
-    group = _async_groups.get(key)
-    if group is not None:
+def _async_group(process_group: Any) -> Any:
+    """A gloo group of the saving ranks used only by background saves (``None``: unavailable).
+
+    Background saves never issue a collective on a group the training thread may use:
+    two threads issuing collectives on one group interleave them differently on
+    different ranks. The group is created once per set of ranks (a collective of those
+    ranks, on the caller's thread) and cached.
+    """
+    default = dist.distributed_c10d._get_default_group()
+    if process_group is None or dist.get_world_size(process_group) == dist.get_world_size():
+        ranks = None
+    else:
+        ranks = tuple(dist.get_process_group_ranks(process_group))
+    hit = _async_groups.get(ranks)
+    if hit is not None and hit[0] is default:
         try:
-            dist.get_world_size(group)
-            return group
-        except (ValueError, RuntimeError):
+            dist.get_process_group_ranks(hit[1])  # KeyError once destroyed
+            return hit[1]
+        except (KeyError, ValueError, RuntimeError):
             pass
-    group = dist.new_group(backend="gloo")
-    _async_groups[key] = group
+    if ranks is None:
+        group = dist.new_group(backend="gloo")
+    else:
+        try:
+            # Only the members call save(); the group's name is derived from its ranks.
+            group = dist.new_group(list(ranks), backend="gloo", use_local_synchronization=True)
+        except (ValueError, RuntimeError):
+            return None  # a group of the same ranks already holds that name
+    _async_groups[ranks] = (default, group)
     return group
+
+
+def _broadcast_int(value: int, group: Any) -> int:
+    """Broadcast an int64 from the group's rank 0 (one collective)."""
+    backend = dist.get_backend(group)
+    if "gloo" in str(backend).lower() or "cpu" in str(backend).lower():
+        t = torch.tensor([value], dtype=torch.int64)
+        dist.broadcast(t, group=group, group_src=0)
+        return int(t.item())
+    box = [value]  # other backends: let torch pick the device
+    dist.broadcast_object_list(box, group=group, group_src=0)
+    return int(box[0])
+
+
+def _agree_save_id(group: Any, collective: bool) -> str:
+    """A 12-hex-digit id that every rank of ``group`` agrees on (rank 0 draws it)."""
+    value = int.from_bytes(os.urandom(6), "big")
+    if collective:
+        value = _broadcast_int(value, group)
+    return f"{value:012x}"
 
 
 def _unwrap(exc: BaseException) -> BaseException:
@@ -196,6 +253,19 @@ def _unwrap(exc: BaseException) -> BaseException:
             if isinstance(inner, CheckpointError):
                 return inner
     return exc
+
+
+def _submit(fn) -> Future[str]:
+    """Run ``fn`` on the single background save thread.
+
+    One long-lived worker thread (started on the first async save) runs saves one at a
+    time; submitting does not wait for a thread to start. The interpreter waits for a
+    running save at exit (``concurrent.futures`` joins its workers before ``atexit``).
+    """
+    global _executor
+    if _executor is None:
+        _executor = ThreadPoolExecutor(1, thread_name_prefix="vescale-ckpt-save")
+    return _executor.submit(fn)
 
 
 def save(
@@ -221,10 +291,13 @@ def save(
     Args:
         path: Checkpoint directory (or a URI a storage plugin handles).
         state: The state to save.
-        async_op: Return once the state is staged in CPU memory; the write and commit run
-            in the background. The next ``save`` (or :func:`wait_pending`) waits for it.
-            Staging buffers are kept and reused by the next async save when shapes
-            match (:func:`free_staging_buffers` releases them).
+        async_op: Return once the state is staged in CPU memory; agreeing on the save
+            id, planning, writing and the commit run on a background thread, whose
+            collectives use a gloo group of their own. The next ``save`` (or
+            :func:`wait_pending`) waits for it. Staging buffers are kept and reused by
+            the next async save when shapes match (:func:`free_staging_buffers`
+            releases them). Call :func:`wait_pending` before
+            ``dist.destroy_process_group()``.
         keep_last: After committing, delete the oldest complete checkpoints of the same
             series so that at most ``keep_last`` remain (never ``path``). The series is
             the checkpoints in the same parent directory whose name is ``path``'s name
@@ -235,83 +308,136 @@ def save(
     Returns:
         A :class:`SaveHandle`; already done unless ``async_op``.
     """
-    global _pending
+    global _pending, _warned_sync_fallback
     wait_pending()
     t0 = time.perf_counter()
     path = os.fspath(path)
     writer, _reader = storage_for(path)
     on = _dist_on()
-    rank = dist.get_rank(process_group) if on else 0
     world = dist.get_world_size(process_group) if on else 1
-    box = [uuid.uuid4().hex[:12] if rank == 0 else None]
-    if on and world > 1:
-        src = dist.get_global_rank(process_group, 0) if process_group is not None else 0
-        dist.broadcast_object_list(box, src=src, group=process_group)
-    save_id = box[0]
-    flat = flatten_state(state, for_load=False, stage=_stager if async_op else None)
-    manifest = new_manifest(save_id, world)
-    manifest["values"] = flat.values
-    manifest["tensors"] = flat.tensor_info
-    group = process_group
+
     if async_op and on:
-        group = _async_group() if process_group is None else process_group
+        group = _async_group(process_group)
+        if group is None:
+            if not _warned_sync_fallback:
+                _warned_sync_fallback = True
+                warnings.warn(
+                    "vescale.checkpoint.save(async_op=True): cannot create a separate gloo group "
+                    "for the ranks of process_group (a group of the same ranks was created with "
+                    "use_local_synchronization=True); saving synchronously instead",
+                    stacklevel=2,
+                )
+            async_op = False
 
-    def work() -> str:
-        return _write(path, writer, flat.tensors, manifest, save_id, group, keep_last, on, rank)
+    stats: dict[str, Any] = {}
 
-    fut: Future[str] = Future()
-    handle = SaveHandle(path, fut, t0)
-    if not async_op:
+    def work(flat=None) -> str:
         try:
-            fut.set_result(work())
-        except BaseException as e:  # noqa: BLE001 - re-raised below with DCP's wrapper removed
-            fut.set_exception(_unwrap(e))
+            save_id = _agree_save_id(group, on and world > 1)
+            if flat is None:
+                flat = flatten_state(state, for_load=False)
+            else:
+                flat.build()
+            manifest = _manifest(save_id, world, flat)
+            # The rank in the group that runs DCP (its rank 0 is DCP's coordinator).
+            rank = dist.get_rank(group) if on else 0
+            out = _write(
+                path, writer, flat.tensors, manifest, save_id, group, keep_last, on, rank, world
+            )
+        except BaseException as e:  # noqa: BLE001 - re-raised with DCP's wrapper removed
             raise _unwrap(e) from None
+        finally:
+            stats["total_seconds"] = time.perf_counter() - t0
+        stats["bytes_written"] = getattr(writer, "bytes_written", None)
+        return out
+
+    if not async_op:
+        group = process_group
+        fut: Future[str] = Future()
+        handle = SaveHandle(path, fut, t0, stats)
+        fut.set_result(work())
         handle.blocking_seconds = time.perf_counter() - t0
-        handle.bytes_written = getattr(writer, "bytes_written", None)
         return handle
 
-    def run() -> None:
-        try:
-            fut.set_result(work())
-            handle.bytes_written = getattr(writer, "bytes_written", None)
-        except BaseException as e:  # noqa: BLE001
-            fut.set_exception(_unwrap(e))
-
-    threading.Thread(target=run, name=f"vescale-ckpt-save-{save_id}", daemon=True).start()
+    # The caller's thread does only what reads the live state: flattening, the
+    # collectives that Partial / non-box plugin placements need, and the staging copies.
+    # Agreeing on the save id, building DCP's view of the staged buffers, planning,
+    # writing and committing run on the background thread, over the async gloo group.
+    staged = flatten_state(state, for_load=False, stage=_stager, defer=True)
+    if not on:
+        group = None
+    handle = SaveHandle(path, _submit(lambda: work(staged)), t0, stats)
     handle.blocking_seconds = time.perf_counter() - t0
     with _pending_lock:
         _pending = handle
     return handle
 
 
-def _write(path, writer, tensors, manifest, save_id, group, keep_last, on, rank) -> str:
+def _manifest(save_id: str, world: int, flat) -> dict[str, Any]:
+    manifest = new_manifest(save_id, world)
+    manifest["values"] = flat.values
+    manifest["tensors"] = flat.tensor_info
+    return manifest
+
+
+def _write(path, writer, tensors, manifest, save_id, group, keep_last, on, rank, world) -> str:
+    """Write with DCP, then commit on rank 0 and tell every rank whether it succeeded.
+
+    ``dcp.save`` returns on rank 0 only after every rank's ``write_data`` has finished
+    (DCP gathers the write results to the coordinator), so rank 0 commits right away;
+    the broadcast of rank 0's outcome is the one collective after DCP's.
+    """
     fs = isinstance(writer, VescaleFileSystemWriter)
     if fs:
         path = os.fspath(writer.path)  # the location the storage plugin resolved
     target = f"{path}.tmp-{save_id}" if fs else path
     lock = SaveLock(target, save_id) if fs and rank == 0 else None
     try:
-        with warnings.catch_warnings():
-            warnings.filterwarnings("ignore", message="torch.distributed is disabled")
+        if on:
             dcp.save(
                 tensors,
                 checkpoint_id=target,
                 storage_writer=writer,
                 planner=DefaultSavePlanner(),
                 process_group=group,
-                no_dist=not on,
             )
-        if on:
-            dist.barrier(group=group)
+        elif threading.current_thread() is threading.main_thread():
+            # DCP warns that it saves in one process; so we mean to.
+            with warnings.catch_warnings():
+                warnings.filterwarnings("ignore", message="torch.distributed is disabled")
+                dcp.save(
+                    tensors,
+                    checkpoint_id=target,
+                    storage_writer=writer,
+                    planner=DefaultSavePlanner(),
+                    no_dist=True,
+                )
+        else:
+            # catch_warnings() swaps the process-wide filter list: not on a second thread.
+            dcp.save(
+                tensors,
+                checkpoint_id=target,
+                storage_writer=writer,
+                planner=DefaultSavePlanner(),
+                no_dist=True,
+            )
+        failed: BaseException | None = None
         if rank == 0 and fs:
-            manifest["chunks"] = writer.chunk_records
-            commit(target, path, manifest)
-            clean_stale(path, save_id)
-            if keep_last is not None:
-                rotate(path, keep_last)
-        if on:
-            dist.barrier(group=group)
+            try:
+                manifest["chunks"] = writer.chunk_records
+                commit(target, path, manifest)
+                clean_stale(path, save_id)
+                if keep_last is not None:
+                    rotate(path, keep_last)
+            except BaseException as e:  # noqa: BLE001 - reported to every rank below
+                failed = e
+        if on and world > 1:
+            if _broadcast_int(0 if failed is None else 1, group) and failed is None:
+                raise CheckpointError(
+                    f"saving {path}: rank 0 failed to commit the checkpoint (see its error)"
+                )
+        if failed is not None:
+            raise failed
     except BaseException:
         if fs and rank == 0:
             shutil.rmtree(target, ignore_errors=True)

@@ -3,7 +3,8 @@
 What this adds to DCP's filesystem layer:
 
 - chunks are written as raw row-major bytes (no pickle, no zip container): the
-  writer computes a CRC32 over exactly the bytes it hands to the file (no re-read),
+  writer computes a CRC32 (ISA-L's kernel when ``isal`` is installed, else zlib; the
+  same values) over exactly the bytes it hands to the file (no re-read),
   the reader reads each chunk straight into the destination tensor when the chunk
   covers it (one copy, as ``readinto``) and checksums the bytes as they arrive; a
   flipped byte raises :class:`CheckpointCorruptError` naming the file and the tensor.
@@ -64,6 +65,8 @@ __all__ = [
     "clean_stale",
     "series_pattern",
     "is_complete",
+    "crc32",
+    "CRC32_IMPL",
 ]
 
 MANIFEST_NAME = "vescale_manifest.json"
@@ -91,6 +94,32 @@ class IncompleteCheckpointError(CheckpointError):
 
 
 # --------------------------------------------------------------------------- checksums
+def _select_crc32() -> tuple[Any, str]:
+    """CRC-32 (zlib's polynomial): ISA-L's folding kernel if ``isal`` is installed, else zlib.
+
+    Both give identical values (the format does not depend on which one ran) and both
+    release the GIL. ``VESCALE_CHECKPOINT_CRC32=zlib`` forces zlib; ``=isal`` requires
+    ISA-L.
+    """
+    want = os.environ.get("VESCALE_CHECKPOINT_CRC32", "auto").strip().lower()
+    if want not in ("auto", "isal", "zlib"):
+        raise ValueError(f"VESCALE_CHECKPOINT_CRC32={want!r}: expected auto, isal or zlib")
+    if want != "zlib":
+        try:
+            from isal.isal_zlib import crc32 as isal_crc32
+
+            if isal_crc32(b"123456789") == zlib.crc32(b"123456789"):
+                return isal_crc32, "isal"
+        except (ImportError, OSError):
+            if want == "isal":
+                raise
+    return zlib.crc32, "zlib"
+
+
+#: ``crc32(data, value=0) -> int``: the CRC-32 used for chunks, metadata and manifest.
+crc32, CRC32_IMPL = _select_crc32()
+
+
 def _crc_range(path: str | os.PathLike, offset: int, length: int) -> int:
     crc = 0
     with open(path, "rb") as f:
@@ -100,7 +129,7 @@ def _crc_range(path: str | os.PathLike, offset: int, length: int) -> int:
             block = f.read(min(left, _READ_BLOCK))
             if not block:
                 break
-            crc = zlib.crc32(block, crc)
+            crc = crc32(block, crc)
             left -= len(block)
     return crc
 
@@ -141,6 +170,26 @@ def _safe_name(name: str, root: str | os.PathLike) -> str:
 
 
 # --------------------------------------------------------------------------- writer
+def check_storage(t: torch.Tensor, key: str) -> None:
+    """Raise if ``t``'s storage is smaller than its view (e.g. freed with ``resize_(0)``).
+
+    Reading such a tensor reads freed memory (a crash or garbage), so say which one.
+    """
+    if t.layout != torch.strided or t.numel() == 0:
+        return
+    try:
+        have = t.untyped_storage().nbytes()
+    except Exception:  # noqa: BLE001 - no real storage (fake, functional): not ours to judge
+        return
+    last = t.storage_offset() + sum((s - 1) * st for s, st in zip(t.shape, t.stride()) if s)
+    need = (last + 1) * t.element_size()
+    if have < need:
+        raise ValueError(
+            f"{key}: the tensor's storage holds {have} bytes but its view needs {need} "
+            "(was its storage freed, e.g. an FSDP buffer resharded with resize_(0)?)"
+        )
+
+
 def tensor_bytes(t: torch.Tensor) -> memoryview:
     """The row-major bytes of a CPU tensor as a memoryview (a copy only if not contiguous)."""
     t = t.detach()
@@ -148,6 +197,7 @@ def tensor_bytes(t: torch.Tensor) -> memoryview:
         t = t.cpu()
     if t.is_conj() or t.is_neg():
         t = t.resolve_conj().resolve_neg()
+    check_storage(t, f"a tensor of shape {tuple(t.shape)}")
     t = t.contiguous()
     return memoryview(t.reshape(-1).view(torch.uint8).numpy())
 
@@ -179,9 +229,9 @@ class VescaleFileSystemWriter(FileSystemWriter):
 
     Each rank writes its chunks as raw row-major bytes into ``thread_count`` files
     (one writer thread per file). The CRC32 is computed over the very buffer that is
-    handed to ``write`` (no re-read, no extra copy); ``zlib.crc32`` and the write both
-    release the GIL, so threads overlap. Every chunk is recorded in DCP's metadata with
-    the transform descriptor ``vescale-raw/1``; on the coordinator, :meth:`finish`
+    handed to ``write`` (no re-read, no extra copy); :data:`crc32` (ISA-L or zlib) and
+    the write both release the GIL, so threads overlap. Every chunk is recorded in DCP's
+    metadata with the transform descriptor ``vescale-raw/1``; on the coordinator, :meth:`finish`
     moves the CRCs into :attr:`chunk_records` before DCP pickles plain metadata.
 
     Args:
@@ -217,7 +267,7 @@ class VescaleFileSystemWriter(FileSystemWriter):
                     buf = memoryview(data.getbuffer()).cast("B")
                 else:
                     buf = tensor_bytes(data)
-                crc = zlib.crc32(buf)
+                crc = crc32(buf)
                 stream.write(buf)
                 n = buf.nbytes
                 results.append(
@@ -364,7 +414,7 @@ def read_manifest(path: str | os.PathLike) -> dict[str, Any]:
         raw = (p / MANIFEST_NAME).read_bytes()
     except (OSError, ValueError) as e:
         raise CheckpointCorruptError(f"checkpoint {p}: unreadable marker or manifest: {e}") from e
-    if zlib.crc32(raw) != marker.get("manifest_crc32"):
+    if crc32(raw) != marker.get("manifest_crc32"):
         raise CheckpointCorruptError(
             f"checkpoint {p}: {MANIFEST_NAME} does not match the checksum in {COMPLETE_NAME}"
         )
@@ -410,7 +460,7 @@ def commit(staging: str | os.PathLike, final: str | os.PathLike, manifest: dict[
     manifest["metadata_crc32"] = _crc_file(staging / METADATA_NAME)
     raw = json.dumps(manifest, sort_keys=True).encode()
     _write_synced(staging / MANIFEST_NAME, raw)
-    marker = {"created_ns": manifest["created_ns"], "manifest_crc32": zlib.crc32(raw)}
+    marker = {"created_ns": manifest["created_ns"], "manifest_crc32": crc32(raw)}
     _write_synced(staging / COMPLETE_NAME, json.dumps(marker).encode())
     try:
         os.unlink(staging / LOCK_NAME)  # the saver still holds its fd until it returns
@@ -628,7 +678,7 @@ class VescaleFileSystemReader(FileSystemReader):
     def read_metadata(self, *args: Any, **kwargs: Any) -> Metadata:
         path = Path(self.path) / METADATA_NAME
         data = path.read_bytes()
-        if zlib.crc32(data) != self.manifest.get("metadata_crc32"):
+        if crc32(data) != self.manifest.get("metadata_crc32"):
             raise CheckpointCorruptError(
                 f"checksum mismatch in file {path} (DCP metadata of the checkpoint)"
             )
@@ -673,7 +723,7 @@ class VescaleFileSystemReader(FileSystemReader):
             if not got:
                 break
             if self.verify:
-                crc = zlib.crc32(buf[pos : pos + got], crc)
+                crc = crc32(buf[pos : pos + got], crc)
             pos += got
         if pos != n or (self.verify and crc != expected):
             where = os.path.join(str(self.path), sinfo.relative_path)
@@ -719,6 +769,7 @@ class VescaleFileSystemReader(FileSystemReader):
                     idx = req.storage_index
                     sizes, dtype = self._chunk_meta[(idx.fqn, tuple(idx.offset))]
                     target = planner.resolve_tensor(req).detach()
+                    check_storage(target, f"loading {idx.fqn!r}")  # never write freed memory
                     whole = all(o == 0 for o in req.storage_offsets) and tuple(
                         req.lengths
                     ) == tuple(sizes)
