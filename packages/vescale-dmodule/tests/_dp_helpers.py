@@ -101,3 +101,17 @@ def assert_params_close(model, ref, **tol):
     got = dict(model.named_parameters())
     for name, p in ref.named_parameters():
         torch.testing.assert_close(full(got[name].detach()), p.detach(), **tol, msg=name)
+
+
+def fresh_caches() -> None:
+    """Drop torch's redistribution/sharding-propagation caches inside a test body.
+
+    They hold meshes of earlier test bodies (whose process groups the pool destroyed);
+    a body that builds several meshes starts every one without them.
+    """
+    import torch.distributed.tensor._redistribute as R
+    import torch.distributed.tensor.debug as D
+
+    R._gen_transform_infos.cache_clear()
+    R.clear_redistribute_planner_cache()
+    D._clear_sharding_prop_cache()

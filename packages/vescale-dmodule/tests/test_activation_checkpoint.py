@@ -30,16 +30,6 @@ H = importlib.util.module_from_spec(_spec)
 _spec.loader.exec_module(H)
 
 
-def _fresh_caches() -> None:
-    # torch caches redistribution plans holding meshes of earlier test bodies
-    import torch.distributed.tensor._redistribute as R
-    import torch.distributed.tensor.debug as D
-
-    R._gen_transform_infos.cache_clear()
-    R.clear_redistribute_planner_cache()
-    D._clear_sharding_prop_cache()
-
-
 def _loss(model, idx, tgt):
     out = model(idx)
     if isinstance(out, DTensor):
@@ -153,7 +143,7 @@ def test_ac_selection_spellings():
 @pytest.mark.parametrize("sp", [False, True])
 @distributed(4)
 def test_ac_tensor_parallel_matches_single_device(sp):
-    _fresh_caches()
+    H.fresh_caches()
     mesh = init_device_mesh("cpu", (2, 2), mesh_dim_names=("dp", "tp"))
     # no data parallelism: every rank trains on the whole batch
     model = DModule(
@@ -231,7 +221,7 @@ def test_ac_fsdp_regions_vs_groups(where):
 @pytest.mark.parametrize("sp", [False, True])
 @distributed(4)
 def test_ac_fsdp_tp_matches_single_device(sp):
-    _fresh_caches()
+    H.fresh_caches()
     mesh = init_device_mesh("cpu", (2, 2), mesh_dim_names=("dp", "tp"))
     model = DModule(
         H.make_gpt(),

@@ -33,19 +33,8 @@ H = importlib.util.module_from_spec(_spec)
 _spec.loader.exec_module(H)
 
 
-def _fresh_caches() -> None:
-    # torch caches redistribution plans holding meshes of earlier test bodies (whose
-    # process groups the pool destroyed); start every body without them.
-    import torch.distributed.tensor._redistribute as R
-    import torch.distributed.tensor.debug as D
-
-    R._gen_transform_infos.cache_clear()
-    R.clear_redistribute_planner_cache()
-    D._clear_sharding_prop_cache()
-
-
 def _mesh():
-    _fresh_caches()
+    H.fresh_caches()
     return init_device_mesh("cpu", (2, 2), mesh_dim_names=("dp", "tp"))
 
 
