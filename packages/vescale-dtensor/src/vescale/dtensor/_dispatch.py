@@ -60,8 +60,31 @@ def make_dtensor(
     return _compat.new_dtensor(cls, local, spec, requires_grad)
 
 
+# Specs are immutable, so results of the same layout and dtype share one spec object
+# (keyed by the source spec's identity; the source spec is kept alive as the value).
+_SPEC_CACHE: dict[tuple[int, torch.dtype], tuple[Any, Any]] = {}
+_SPEC_CACHE_MAX = 4096
+
+
+def _spec_for_dtype(spec: Any, dtype: torch.dtype) -> Any:
+    if spec.tensor_meta.dtype == dtype:
+        return spec
+    key = (id(spec), dtype)
+    hit = _SPEC_CACHE.get(key)
+    if hit is not None and hit[0] is spec:
+        return hit[1]
+    new_spec = _compat.make_spec(
+        spec.mesh, spec.placements, spec.shape, spec.tensor_meta.stride, dtype
+    )
+    if len(_SPEC_CACHE) >= _SPEC_CACHE_MAX:
+        _SPEC_CACHE.clear()
+    _SPEC_CACHE[key] = (spec, new_spec)
+    return new_spec
+
+
 def _wrap_like(local: torch.Tensor, spec: Any, shape: Sequence[int] | None = None) -> DTensor:
-    shape = spec.shape if shape is None else shape
+    if shape is None or tuple(shape) == tuple(spec.shape):
+        return _compat.new_dtensor(PluginDTensor, local, _spec_for_dtype(spec, local.dtype), False)
     new_spec = _compat.make_spec(
         spec.mesh, spec.placements, shape, spec.tensor_meta.stride, local.dtype
     )
@@ -116,14 +139,58 @@ def _mutated_args(func: torch._ops.OpOverload) -> tuple[tuple[int, str], ...]:
 
 
 def _same_layout(a: Any, b: Any) -> bool:
+    if a is b:
+        return True
     return a.mesh == b.mesh and a.placements == b.placements and a.shape == b.shape
 
 
-def _allows(spec: Any, family: str) -> bool:
-    for p in spec.placements:
+@functools.lru_cache(maxsize=1024)
+def _allows_placements(placements: tuple, family: str) -> bool:
+    for p in placements:
         if isinstance(p, PluginPlacement) and family not in p.LOCAL_OP_FAMILIES:
             return False
     return True
+
+
+def _allows(spec: Any, family: str) -> bool:
+    return _allows_placements(spec.placements, family)
+
+
+_MISS = object()
+
+
+def _fast_pointwise(func, args: tuple, kwargs: dict) -> Any:
+    """``_try_local`` for the common case: flat arguments (no lists or dicts).
+
+    Element-wise ops on operands of one layout (the optimizer's per-parameter ops)
+    run here without pytree traversal; anything else returns ``_MISS``.
+    """
+    spec = None
+    for a in args:
+        if isinstance(a, DTensor):
+            s = a._spec
+            if spec is None:
+                spec = s
+            elif s is not spec and not _same_layout(spec, s):
+                return _MISS
+        elif isinstance(a, torch.Tensor):
+            if a.dim() != 0:
+                return _MISS
+        elif isinstance(a, (list, tuple, dict)):
+            return _MISS
+    for a in kwargs.values():
+        if isinstance(a, (torch.Tensor, list, tuple, dict)):
+            return _MISS
+    if spec is None or not _allows_placements(spec.placements, "pointwise"):
+        return _MISS
+    out = func(*[a._local_tensor if isinstance(a, DTensor) else a for a in args], **kwargs)
+    if not isinstance(out, torch.Tensor):  # e.g. a tuple of results
+        return tree_map(lambda t: _wrap_like(t, spec) if isinstance(t, torch.Tensor) else t, out)
+    mutated = _mutated_args(func)
+    if mutated:  # in-place or out=: return the written arg
+        i, name = mutated[0]
+        return args[i] if i < len(args) else kwargs[name]
+    return _compat.new_dtensor(PluginDTensor, out, _spec_for_dtype(spec, out.dtype), False)
 
 
 # ------------------------------------------------------------------ local execution
@@ -346,6 +413,10 @@ class PluginDTensor(DTensor):
     def __torch_dispatch__(cls, func, types, args=(), kwargs=None):  # type: ignore[override]
         kwargs = kwargs or {}
         family = _family(func)
+        if family == "pointwise":
+            out = _fast_pointwise(func, args, kwargs)
+            if out is not _MISS:
+                return out
         if family is not None:
             done, out = _try_local(func, family, args, kwargs)
             if done:
