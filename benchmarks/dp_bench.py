@@ -13,8 +13,9 @@ same worker processes (CPU, gloo). Per side and world size the table reports:
   (``extra_copy_bytes``); for torch, the copies its algorithm makes (FSDP2:
   all-gather copy-in ``P/N`` and copy-out ``P`` per gather, reduce-scatter copy-in
   ``P``; DDP: gradients into and out of the buckets, ``2P``), marked ``model``;
-* per-rank bytes of parameters + gradients + AdamW state after a step
-  (``vescale.dmodule._dp_common.dp_memory_bytes``) against ``16 P / N``.
+* per-rank bytes of parameters + gradients + AdamW state after backward, when all
+  of them are live (``vescale.dmodule._dp_common.dp_memory_bytes``), against
+  ``16 P / N``; torch DDP's internal reducer buckets are not included.
 
 Usage::
 
@@ -69,10 +70,12 @@ def bench_worker(steps: int, cfg_kwargs: dict, batch: int, seq: int) -> dict:
     def make_step(model):
         opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
 
-        def step():
+        def step(mem: list | None = None):
             logits = model(x)
             loss = F.cross_entropy(logits.flatten(0, 1), y.flatten())
             loss.backward()
+            if mem is not None:  # all state live: params, grads, optimizer state
+                mem.append(dp_memory_bytes(model, opt)["total"])
             opt.step()
             opt.zero_grad()
             return loss.item()
@@ -91,13 +94,14 @@ def bench_worker(steps: int, cfg_kwargs: dict, batch: int, seq: int) -> dict:
         "torch DDP": 2 * pbytes,
     }
     stats = {}
-    for name, (step, opt) in sides.items():
+    for name, (step, _opt) in sides.items():
         step()  # warm up (optimizer state allocated)
         engine = get_dp_engine(models[name])
         if engine is not None and hasattr(engine, "reset_counters"):
             engine.reset_counters()
+        mem: list[int] = []
         with CommDebugMode() as cm:
-            loss = step()
+            loss = step(mem)
         if engine is not None:
             copied = f"{engine.extra_copy_bytes:,}"
         else:
@@ -105,7 +109,7 @@ def bench_worker(steps: int, cfg_kwargs: dict, batch: int, seq: int) -> dict:
         stats[name] = {
             "bytes": cm.get_total_bytes(),
             "copied": copied,
-            "mem": dp_memory_bytes(models[name], opt)["total"],
+            "mem": mem[0],
             "loss": loss,
             "times": [],
         }

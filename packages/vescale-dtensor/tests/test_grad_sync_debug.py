@@ -51,3 +51,24 @@ def test_global_discovery_without_model():
     with enable_gradient_sync_debug():
         with pytest.raises(GradientSyncError, match=r"Linear\.weight"):
             _step(m, mesh, desync=True)
+
+
+@distributed(2)
+def test_declared_plain_replicas_are_checked():
+    from vescale.debug import declare_replicated
+
+    mesh = init_device_mesh("cpu", (2,))
+    torch.manual_seed(0)
+    m = nn.Sequential(nn.Linear(4, 8), nn.Linear(8, 2))  # plain tensors, as vescale DDP keeps
+    declare_replicated(m[1].weight, mesh, (0,))
+    with enable_gradient_sync_debug(m):
+        m(torch.ones(3, 4)).sum().backward()  # in sync: nothing raised
+        m.zero_grad()
+        with pytest.raises(GradientSyncError, match=r"1\.weight: gradient on ranks \[1\]") as err:
+            (m(torch.ones(3, 4)).sum() * float(1 + dist.get_rank())).backward()
+    # undeclared plain parameters are not replicas the tool knows of
+    assert "0.weight" not in str(err.value) and "1.bias" not in str(err.value)
+    with pytest.raises(TypeError, match="plain tensors"):
+        declare_replicated(distribute_tensor(torch.ones(2), mesh, [Replicate()]), mesh, (0,))
+    with pytest.raises(ValueError, match="mesh dim 1 out of range"):
+        declare_replicated(m[0].weight, mesh, (1,))

@@ -16,7 +16,7 @@ the checkpoint's ``context_fn`` recreates what the original forward had:
   groups inside it see the recomputation (``FSDPEngine.in_recompute``) and only
   unshard and swap in, without recording the forward order, prefetching,
   resharding, registering pre-backward hooks or wrapping inputs for post-backward.
-* DDP (:meth:`DDPEngine.recompute_context`): the parameters' plain local views.
+* DDP: nothing (its parameters are plain tensors or the plan's DTensors).
 * ``parallelize_module``'s implicit replication: the flag is set again, and plain
   tensors that the region saves for backward (causal masks, indices) are stored as
   replicated DTensors, in the original forward and in the recomputation alike (the

@@ -1,32 +1,32 @@
 """Distributed data parallelism with bucketed, overlapped gradient all-reduce.
 
-:func:`replicate` makes every parameter a ``Replicate()`` DTensor on the mesh
-(parameters that already are DTensors, e.g. tensor-parallel ones from
-:func:`~vescale.dmodule.parallelize_module`, keep their placements and must be
-``Replicate()`` on the dp dim). Gradients live in contiguous *buckets*: each
-parameter's ``.grad`` is a DTensor whose local tensor is a view of one bucket, so
-autograd accumulates into the bucket in place. When the last gradient of a bucket
-has been accumulated, the bucket's ``all_reduce(AVG)`` over the dp dim starts
-asynchronously while backward continues; an autograd-engine callback at the end of
-backward starts the buckets still pending (parameters not used this step) and
-waits for all of them.
+:func:`replicate` keeps plain-tensor parameters plain (each rank holds the full
+value, as in torch DDP), so the forward, the backward and the user's optimizer run
+on plain tensors at full speed; parameters that already are DTensors, e.g.
+tensor-parallel ones from :func:`~vescale.dmodule.parallelize_module`, keep their
+placements and must be ``Replicate()`` on the dp dim. Gradients live in contiguous
+*buckets*: each parameter's ``.grad`` is a view of one bucket (a DTensor around the
+view for a DTensor parameter). The first gradient after ``zero_grad()`` is copied
+into the bucket by a post-accumulate-grad hook (one copy; the bucket is never
+zero-filled), later ones (gradient accumulation) are added into it in place.
+When the last gradient of a bucket has been accumulated, the bucket's
+``all_reduce(AVG)`` over the dp dim starts asynchronously while backward continues;
+an autograd-engine callback at the end of backward starts the buckets still
+pending (parameters not used this step) and waits for all of them.
 
 Every bucket carries one extra element per parameter, set to 1 on ranks where the
 parameter got a gradient; after the all-reduce, parameters that no rank used get
 ``grad = None``, as in single-device training (no hang, no extra collective).
 
-For a plain-tensor parameter the module computes with ``param.to_local()`` (a view,
-swapped in by a forward pre-hook of the root and back by its forward hook), so
-compute runs on plain tensors at full speed while the parameter, its gradient and
-the optimizer state stay DTensors that :func:`vescale.debug.enable_gradient_sync_debug`
-can check.
+Plain parameters are declared replicated over the mesh
+(:func:`vescale.debug.declare_replicated`), so
+:func:`vescale.debug.enable_gradient_sync_debug` checks them like replicated
+DTensors.
 """
 
 from __future__ import annotations
 
-import contextlib
 import dataclasses
-from collections.abc import Iterator
 
 import torch
 import torch.distributed as dist
@@ -39,10 +39,10 @@ from vescale.dmodule._dp_common import (
     SyncToggle,
     check_not_wrapped,
     check_one_device,
-    param_paths,
+    local_tensor,
     resolve_dp_dim,
-    swap_param,
 )
+from vescale.dtensor._grad_sync_debug import declare_replicated
 
 __all__ = ["replicate", "DDPEngine"]
 
@@ -53,7 +53,7 @@ class _Bucket:
     buf: torch.Tensor  # grads then one "used" flag per parameter
     params: list[nn.Parameter]
     ranges: list[tuple[int, int]]
-    grad_dts: list[DTensor]
+    grad_views: list[torch.Tensor]  # the .grad of each parameter (a DTensor for DTensors)
     data_numel: int
     pending: int = 0
     work: object | None = None
@@ -91,31 +91,22 @@ class DDPEngine(SyncToggle):
         self._sync = True
         self._cb_queued = False
         self.launch_log: list[int] = []
-        paths = param_paths(module)
-        ordered: list[nn.Parameter] = []
-        self._local_swaps: list[tuple[list, nn.Parameter]] = []
-        for p in list(module.parameters()):  # listed first: swapping changes identities
-            if isinstance(p, DTensor):
-                new = p
-            else:
-                local = p.detach()
-                dt = DTensor.from_local(local, mesh, [Replicate()] * mesh.ndim, run_check=False)
-                new = nn.Parameter(dt, requires_grad=p.requires_grad)
-                swap_param(paths[id(p)], new)
-                self._local_swaps.append((paths[id(p)], new))
-            ordered.append(new)
+        ordered = [p for p in module.parameters()]
+        for p in ordered:
+            if not isinstance(p, DTensor):
+                declare_replicated(p, mesh, tuple(range(mesh.ndim)))
         if broadcast_from is not None and self.world > 1:
             src = dist.get_global_rank(self.pg, broadcast_from)
             with torch.no_grad():
                 for p in ordered:
-                    dist.broadcast(p._local_tensor, src=src, group=self.pg)
+                    dist.broadcast(local_tensor(p), src=src, group=self.pg)
         # buckets: reverse registration order (roughly the order gradients become ready)
         cap = max(1, int(bucket_cap_mb * 1024 * 1024))
         trainable = [p for p in reversed(ordered) if p.requires_grad]
         groups: list[list[nn.Parameter]] = []
         open_by_dtype: dict[torch.dtype, tuple[list, int]] = {}
         for p in trainable:
-            loc = p._local_tensor
+            loc = local_tensor(p)
             nbytes = loc.numel() * loc.element_size()
             cur = open_by_dtype.get(loc.dtype)
             if cur is None or (cur[1] + nbytes > cap and cur[0]):
@@ -126,16 +117,16 @@ class DDPEngine(SyncToggle):
         self.buckets: list[_Bucket] = []
         self._bucket_of: dict[int, tuple[_Bucket, int]] = {}
         for ps in groups:
-            locs = [p._local_tensor for p in ps]
+            locs = [local_tensor(p) for p in ps]
             n = sum(t.numel() for t in locs)
             buf = torch.zeros(n + len(ps), dtype=locs[0].dtype, device=device)
-            ranges, grad_dts, off = [], [], 0
+            ranges, grad_views, off = [], [], 0
             for p, t in zip(ps, locs):
                 view = buf[off : off + t.numel()].view(t.shape)
                 ranges.append((off, off + t.numel()))
                 off += t.numel()
-                grad_dts.append(
-                    DTensor.from_local(
+                if isinstance(p, DTensor):
+                    view = DTensor.from_local(
                         view,
                         p.device_mesh,
                         p.placements,
@@ -143,8 +134,8 @@ class DDPEngine(SyncToggle):
                         shape=p.shape,
                         stride=p.stride(),
                     )
-                )
-            b = _Bucket(len(self.buckets), buf, ps, ranges, grad_dts, n)
+                grad_views.append(view)
+            b = _Bucket(len(self.buckets), buf, ps, ranges, grad_views, n)
             self.buckets.append(b)
             for i, p in enumerate(ps):
                 self._bucket_of[id(p)] = (b, i)
@@ -153,7 +144,6 @@ class DDPEngine(SyncToggle):
             for i, p in enumerate(b.params):
                 self._handles.append(p.register_post_accumulate_grad_hook(self._make_hook(b, i)))
         self._handles.append(module.register_forward_pre_hook(self._pre_forward))
-        self._handles.append(module.register_forward_hook(self._post_forward, always_call=True))
 
     # ------------------------------------------------------------------ public
     @property
@@ -174,30 +164,8 @@ class DDPEngine(SyncToggle):
                 a, e = b.ranges[i]
                 if len(missing) != len(b.params):
                     b.buf[a:e].zero_()
-                b.params[i].grad = b.grad_dts[i]
-        for paths, p in self._local_swaps:
-            swap_param(paths, p.to_local())
+                b.params[i].grad = b.grad_views[i]
         return None
-
-    def _post_forward(self, module, args, output):
-        for paths, p in self._local_swaps:
-            swap_param(paths, p)
-        return None
-
-    @contextlib.contextmanager
-    def recompute_context(self, module: nn.Module) -> Iterator[None]:
-        """Run an activation-checkpoint recomputation of ``module`` (a submodule).
-
-        The root's forward hooks that swap in the plain local views of the
-        parameters do not run again in backward, so do it around the recomputation.
-        """
-        for paths, p in self._local_swaps:
-            swap_param(paths, p.to_local())
-        try:
-            yield
-        finally:
-            for paths, p in self._local_swaps:
-                swap_param(paths, p)
 
     def _make_hook(self, b: _Bucket, i: int):
         def hook(p: torch.Tensor) -> None:
@@ -230,15 +198,21 @@ class DDPEngine(SyncToggle):
             return
         self.launch_log.append(-1)
         for b in self.buckets:
-            self._launch(b)
+            if not b.launched:
+                # parameters without a gradient on this rank contribute zeros
+                for i, p in enumerate(b.params):
+                    if p.grad is not b.grad_views[i]:
+                        a, e = b.ranges[i]
+                        b.buf[a:e].zero_()
+                self._launch(b)
         for b in self.buckets:
             if b.work is not None:
                 b.work.wait()
                 b.work = None
             flags = b.flags.tolist()
             for i, f in enumerate(flags):
-                if f == 0:
-                    b.params[i].grad = None
+                # used on some rank: the averaged gradient; on none: no gradient at all
+                b.params[i].grad = b.grad_views[i] if f > 0 else None
             b.flags.zero_()
 
 

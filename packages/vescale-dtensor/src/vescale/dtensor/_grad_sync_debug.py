@@ -10,9 +10,39 @@ from dataclasses import dataclass, field
 import torch
 import torch.distributed as dist
 from torch import nn
+from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor, Replicate
+from torch.utils.weak import WeakIdKeyDictionary
 
-__all__ = ["GradientSyncError", "GradientSyncDebugHandle", "enable_gradient_sync_debug"]
+__all__ = [
+    "GradientSyncError",
+    "GradientSyncDebugHandle",
+    "declare_replicated",
+    "enable_gradient_sync_debug",
+]
+
+# Plain-tensor parameters that an engine keeps as full replicas over mesh dims
+# (e.g. vescale DDP): parameter -> (mesh, mesh dims). Keyed by identity, weakly.
+_PLAIN_REPLICAS: WeakIdKeyDictionary = WeakIdKeyDictionary()
+
+
+def declare_replicated(param: torch.Tensor, mesh: DeviceMesh, mesh_dims: tuple[int, ...]) -> None:
+    """Declare a plain-tensor ``param`` a replica over ``mesh_dims`` of ``mesh``.
+
+    Engines that keep replicated parameters as plain tensors (vescale DDP) call this
+    so that :func:`enable_gradient_sync_debug` checks their gradients like those of
+    ``Replicate()`` DTensors.
+
+    Raises:
+        TypeError: ``param`` is a DTensor (its placements already say it).
+        ValueError: a mesh dim out of range.
+    """
+    if isinstance(param, DTensor):
+        raise TypeError("declare_replicated takes plain tensors; a DTensor's placements say it")
+    for d in mesh_dims:
+        if not 0 <= d < mesh.ndim:
+            raise ValueError(f"mesh dim {d} out of range for a {mesh.ndim}-dim mesh")
+    _PLAIN_REPLICAS[param] = (mesh, tuple(mesh_dims))
 
 
 class GradientSyncError(RuntimeError):
@@ -56,7 +86,8 @@ class GradientSyncDebugHandle:
 
 def _replicated_dims(p: torch.Tensor) -> list[int]:
     if not isinstance(p, DTensor):
-        return []
+        entry = _PLAIN_REPLICAS.get(p)
+        return list(entry[1]) if entry is not None else []
     return [i for i, pl in enumerate(p.placements) if isinstance(pl, Replicate)]
 
 
@@ -78,12 +109,21 @@ def _check(state: _State) -> None:
     groups: dict[tuple, list[tuple[str, torch.Tensor]]] = defaultdict(list)
     for p in params:
         g = p.grad
+        if g is None:
+            continue
+        name = state.names.get(id(p), f"<parameter of shape {tuple(p.shape)}>")
+        if not isinstance(p, DTensor):  # a declared plain replica
+            entry = _PLAIN_REPLICAS.get(p)
+            if entry is None or isinstance(g, DTensor):
+                continue
+            for i in entry[1]:
+                groups[(entry[0], i)].append((name, g))
+            continue
         if not isinstance(g, DTensor):
             continue
         for i in _replicated_dims(p):
             if not isinstance(g.placements[i], Replicate):
                 continue  # Partial: reduction pending by design; Shard: not a replica
-            name = state.names.get(id(p), f"<parameter of shape {tuple(p.shape)}>")
             groups[(p.device_mesh, i)].append((name, g.to_local()))
     # deterministic order on every rank
     problems: list[str] = []
@@ -141,7 +181,8 @@ def enable_gradient_sync_debug(
 ) -> GradientSyncDebugHandle:
     """Check after every backward that replicated gradients agree across ranks.
 
-    For every DTensor parameter that is ``Replicate()`` on some mesh dim, a cheap
+    For every DTensor parameter that is ``Replicate()`` on some mesh dim (and every
+    plain parameter declared a replica with :func:`declare_replicated`), a cheap
     checksum of its gradient (sum, sum of squares and a position-weighted sum, in
     float64) is all-gathered over that mesh dim once per backward (one collective
     per mesh dim, for all parameters together) and compared. A divergence raises
