@@ -199,6 +199,27 @@ def test_optimizers_step_on_ragged_parameters(opt):
         assert torch.allclose(st["exp_avg"].full_tensor(), o_ref.state[dense[0]]["exp_avg"])
 
 
+@distributed(2)
+def test_torch_picks_foreach_for_ragged_parameters_like_dtensors():
+    """torch chooses foreach kernels by exact type: RaggedShard DTensors must qualify."""
+    from unittest import mock
+
+    import torch.optim.optimizer as optim_mod
+
+    mesh = init_device_mesh("cpu", (2,))
+    ragged = torch.nn.Parameter(
+        distribute_tensor(torch.randn(4, 3), mesh, [RaggedShard((0,), (1, 1))])
+    )
+    builtin = torch.nn.Parameter(distribute_tensor(torch.randn(4, 3), mesh, [Shard(0)]))
+    # as on a GPU: pretend CPU has foreach kernels, then ask torch what it would pick
+    with mock.patch.object(optim_mod, "_get_foreach_kernels_supported_devices", lambda: ["cpu"]):
+        assert optim_mod._default_to_fused_or_foreach([builtin], False) == (False, True)
+        assert optim_mod._default_to_fused_or_foreach([ragged], False) == (False, True)
+    from torch.utils._foreach_utils import _has_foreach_support
+
+    assert _has_foreach_support([ragged.detach()], torch.device("cpu"))
+
+
 def test_placements_pickle_and_copy():
     import copy
     import pickle

@@ -32,6 +32,7 @@ __all__ = [
     "is_async_tensor",
     "ORIGINAL_REDISTRIBUTE",
     "ORIGINAL_FROM_LOCAL",
+    "register_foreach_type",
     "check_torch_internals",
 ]
 
@@ -124,6 +125,25 @@ def wait_tensor(t: torch.Tensor) -> torch.Tensor:
     return t
 
 
+def _foreach_type_lists() -> list[list]:
+    import torch.optim.optimizer as _optim
+    import torch.utils._foreach_utils as _fe
+
+    return [_optim._foreach_supported_types, _fe._foreach_supported_types]
+
+
+def register_foreach_type(cls: type) -> None:
+    """Let torch's optimizers and grad clipping pick foreach/fused kernels for ``cls``.
+
+    torch checks ``type(p) in _foreach_supported_types`` (exact type), and registers
+    only ``DTensor`` itself; a DTensor subclass must be added the same way, or torch
+    silently falls back to its per-tensor loops on devices with foreach kernels.
+    """
+    for lst in _foreach_type_lists():
+        if cls not in lst:
+            lst.append(cls)
+
+
 def check_torch_internals() -> list[str]:
     """Probe every torch internal vescale-dtensor relies on.
 
@@ -171,6 +191,12 @@ def check_torch_internals() -> list[str]:
             problems.append("_NormPartial changed (is_partial/norm_type)")
     except Exception as exc:  # pragma: no cover - only on a torch change
         problems.append(f"_NormPartial unavailable: {exc!r}")
+    try:
+        lists = _foreach_type_lists()
+        if not all(isinstance(lst, list) and DTensor in lst for lst in lists):
+            problems.append("_foreach_supported_types no longer lists DTensor")
+    except (ImportError, AttributeError) as exc:  # pragma: no cover - only on a torch change
+        problems.append(f"_foreach_supported_types unavailable: {exc!r}")
     if not isinstance(Replicate(), torch._C._distributed.Placement):
         problems.append("placements are no longer torch._C._distributed.Placement")
     return problems
