@@ -120,6 +120,9 @@ class CheckpointConfig:
     interval: int = _f(100, "steps between periodic saves (0: none)")
     keep_last: int = _f(2, "complete checkpoints kept in the checkpoint dir")
     async_save: bool = _f(True, "periodic saves write in the background")
+    background_staging: bool = _f(
+        True, "async saves also copy the state in the background (the next step waits for it)"
+    )
     dir: str = _f("", "checkpoint dir; empty: <train.run_dir>/ckpt")
     resume: bool = _f(False, "resume from the latest complete checkpoint in the checkpoint dir")
     final: bool = _f(True, "save a checkpoint after the last step")

@@ -617,6 +617,7 @@ def main(argv: list[str] | None = None) -> int:
                 path,
                 checkpoint_state(model, opt, done, tokens_seen),
                 async_op=cfg.checkpoint.async_save,
+                staging="background" if cfg.checkpoint.background_staging else "blocking",
                 keep_last=cfg.checkpoint.keep_last,
             )
             progress.write(

@@ -216,3 +216,112 @@ def subgroup_body(path):
 
 def test_async_save_on_a_subgroup_uses_a_group_of_its_own(tmp_path):
     run_on_ranks(subgroup_body, 4, str(tmp_path / "sub"))
+
+
+def _slow_complete(delay: float):
+    """Make the background copies start ``delay`` s late (so the next step must wait)."""
+    orig = _api.Stager.complete
+
+    def slow(self):
+        import time
+
+        time.sleep(delay)
+        return orig(self)
+
+    return orig, slow
+
+
+def background_fence_body(path, fsdp):
+    mesh = init_device_mesh("cpu", (2,))
+    if fsdp:
+        from vescale.dmodule import DModule
+
+        torch.manual_seed(0)
+        model = DModule(
+            nn.Sequential(nn.Linear(8, 16), nn.ReLU(), nn.Linear(16, 4)),
+            mesh,
+            data_parallel={0: "fsdp"},
+        )
+        opt = torch.optim.AdamW(model.parameters(), lr=0.1)
+    else:
+        model, opt = _model(mesh)
+    x = torch.randn(5, 8, generator=torch.Generator().manual_seed(dist.get_rank()))
+    if not fsdp:
+        x = distribute_tensor(x, mesh, [Replicate()])
+
+    def train_step():
+        out = model(x)
+        (out.full_tensor() if isinstance(out, DTensor) else out).square().sum().backward()
+        opt.step()
+        opt.zero_grad()
+
+    train_step()
+    state = {"model": model, "optimizer": opt, "step": 1}
+    vckpt.save(f"{path}_blocking", state).result()  # the reference: a blocking save
+    orig, slow = _slow_complete(0.5)
+    _api.Stager.complete = slow
+    try:
+        h = vckpt.save(path, state, async_op=True, staging="background")
+        assert not h.wait_staged(0)  # returned before the copies ran
+        train_step()  # forward + backward overlap the copy; step() waits for it
+        assert h.wait_staged(0) and h.fence_wait_seconds > 0.05, h.fence_wait_seconds
+        h.result()
+    finally:
+        _api.Stager.complete = orig
+    assert h.staged_seconds >= 0.5 > h.blocking_seconds
+    # the checkpoint holds the values at save time, exactly like the blocking one
+    with pytest.raises(AssertionError):
+        _assert_same_checkpoint(path, f"{path}_blocking_now", state, mesh)
+    _assert_same_checkpoint(path, f"{path}_blocking", None, mesh)
+    return True
+
+
+def _assert_same_checkpoint(a, b, state, mesh):
+    if state is not None:  # save the live (changed) state to b first
+        vckpt.save(b, state).result()
+    reader = vckpt.VescaleFileSystemReader
+    sa = reader(a).read_metadata().state_dict_metadata
+    sb = reader(b).read_metadata().state_dict_metadata
+    assert sa.keys() == sb.keys()
+    keys = [k for k, m in sa.items() if hasattr(m, "size")]
+    assert keys
+    for k in keys:
+        ta, tb = torch.zeros(sa[k].size), torch.zeros(sb[k].size)
+        torch.distributed.checkpoint.load({k: ta}, storage_reader=reader(a))
+        torch.distributed.checkpoint.load({k: tb}, storage_reader=reader(b))
+        assert torch.equal(ta, tb), k
+
+
+@pytest.mark.parametrize("fsdp", [False, True])
+def test_background_staging_overlaps_the_step_and_saves_the_values_at_save_time(tmp_path, fsdp):
+    run_on_ranks(background_fence_body, 2, str(tmp_path / "bg"), fsdp)
+
+
+def background_mutation_body(path):
+    mesh = init_device_mesh("cpu", (2,))
+    w = distribute_tensor(torch.arange(12.0).reshape(6, 2), mesh, [Shard(0)])
+    vckpt.save(path, {"w": w}).result()  # the last good checkpoint
+    orig, slow = _slow_complete(0.3)
+    _api.Stager.complete = slow
+    try:
+        h = vckpt.save(path, {"w": w}, async_op=True, staging="background")
+        if dist.get_rank() == 0:
+            w._local_tensor.add_(1.0)  # written in place outside an optimizer step
+        with pytest.raises(RuntimeError, match="written in place while being staged") as err:
+            h.result()
+    finally:
+        _api.Stager.complete = orig
+    if dist.get_rank() == 0:
+        assert "(w)" in str(err.value)
+    else:
+        assert "on another rank" in str(err.value)
+    out = {"w": distribute_tensor(torch.zeros(6, 2), mesh, [Shard(0)])}
+    vckpt.load(path, out)  # the previous checkpoint is intact
+    assert torch.equal(out["w"].full_tensor(), torch.arange(12.0).reshape(6, 2))
+    with pytest.raises(ValueError, match="staging must be"):
+        vckpt.save(path, {"w": w}, async_op=True, staging="lazy")
+    return True
+
+
+def test_background_staging_refuses_to_commit_a_tensor_written_meanwhile(tmp_path):
+    run_on_ranks(background_mutation_body, 2, str(tmp_path / "mut"))

@@ -91,16 +91,23 @@ class SaveHandle:
     Attributes:
         path: The checkpoint directory being written.
         blocking_seconds: Time the call blocked the caller (flattening + staging for an
-            async save; everything for a synchronous one).
+            async save, flattening only with ``staging="background"``; everything for a
+            synchronous one).
         total_seconds: Time from the call to the commit (``None`` until done).
         bytes_written: Bytes of data files this rank wrote (``None`` until done).
     """
 
     def __init__(
-        self, path: str, future: Future[str], t0: float, stats: dict[str, Any] | None = None
+        self,
+        path: str,
+        future: Future[str],
+        t0: float,
+        stats: dict[str, Any] | None = None,
+        staged: threading.Event | None = None,
     ) -> None:
         self.path = path
         self._future = future
+        self._staged = staged
         self._t0 = t0
         # Filled by the save itself before its future completes (no callback races).
         self._stats = stats if stats is not None else {}
@@ -110,6 +117,24 @@ class SaveHandle:
     @property
     def total_seconds(self) -> float | None:
         return self._stats.get("total_seconds")
+
+    @property
+    def staged_seconds(self) -> float | None:
+        """Time from the call until every tensor was copied (``None`` until then)."""
+        return self._stats.get("staged_seconds")
+
+    @property
+    def fence_wait_seconds(self) -> float:
+        """Time optimizer steps waited for this save's background staging."""
+        return self._stats.get("fence_wait_seconds", 0.0)
+
+    def wait_staged(self, timeout: float | None = None) -> bool:
+        """Wait until the state is copied off the live tensors (background staging).
+
+        Returns:
+            True once staged (at once for blocking staging), False on timeout.
+        """
+        return True if self._staged is None else self._staged.wait(timeout)
 
     @property
     def bytes_written(self) -> int | None:
@@ -148,6 +173,47 @@ _pending_lock = threading.Lock()
 _async_groups: dict[tuple[int, ...] | None, tuple[Any, Any]] = {}
 _executor: ThreadPoolExecutor | None = None
 _warned_sync_fallback = False
+
+
+# (event set once staged, the save's stats) of an in-flight background staging
+_staging: tuple[threading.Event, dict[str, Any]] | None = None
+_fence_handle: Any = None
+
+
+def _step_fence(optimizer: Any, args: Any, kwargs: Any) -> None:
+    """Global optimizer step pre-hook: wait for an in-flight background staging."""
+    cur = _staging
+    if cur is None or cur[0].is_set():
+        return None
+    t = time.perf_counter()
+    cur[0].wait()
+    cur[1]["fence_wait_seconds"] = cur[1].get("fence_wait_seconds", 0.0) + (time.perf_counter() - t)
+    return None
+
+
+def _install_step_fence() -> None:
+    global _fence_handle
+    if _fence_handle is None:
+        from torch.optim.optimizer import register_optimizer_step_pre_hook
+
+        _fence_handle = register_optimizer_step_pre_hook(_step_fence)
+
+
+def _check_staged_everywhere(modified: list[str], group: Any, collective: bool) -> None:
+    """Fail the save on every rank if any rank's staging saw a tensor written meanwhile."""
+    bad = 1 if modified else 0
+    if collective:
+        flag = torch.tensor([bad], dtype=torch.int32)
+        dist.all_reduce(flag, op=dist.ReduceOp.MAX, group=group)
+        bad = int(flag.item())
+    if bad:
+        where = f"{', '.join(modified[:5])}" if modified else "on another rank"
+        raise RuntimeError(
+            "checkpoint save with staging='background' failed: tensors were written in "
+            f"place while being staged ({where}); nothing was committed. Write saved "
+            "tensors outside an optimizer step only after handle.wait_staged(), or use "
+            "staging='blocking'"
+        )
 
 
 def wait_pending() -> None:
@@ -273,6 +339,7 @@ def save(
     state: dict[str, Any],
     *,
     async_op: bool = False,
+    staging: str = "blocking",
     keep_last: int | None = None,
     process_group: Any = None,
 ) -> SaveHandle:
@@ -298,6 +365,17 @@ def save(
             the next async save when shapes match (:func:`free_staging_buffers`
             releases them). Call :func:`wait_pending` before
             ``dist.destroy_process_group()``.
+        staging: (``async_op`` only) ``"blocking"``: return once every tensor is
+            copied. ``"background"``: return once the state is flattened; the copies of
+            CPU tensors run on the background thread, and every torch optimizer's
+            ``step()`` (a global step pre-hook; ``DistributedOptimizer`` and ``Muon``
+            included) waits until they are done, so training overlaps the copy. Each
+            source tensor's version counter is checked after its copy: a tensor written
+            in place meanwhile (by anything but an optimizer step) fails the save on
+            every rank with a ``RuntimeError`` naming it, instead of saving torn values.
+            :meth:`SaveHandle.wait_staged` waits for the copies explicitly (before
+            writing saved tensors outside an optimizer). CUDA tensors are staged
+            before the call returns in both modes.
         keep_last: After committing, delete the oldest complete checkpoints of the same
             series so that at most ``keep_last`` remain (never ``path``). The series is
             the checkpoints in the same parent directory whose name is ``path``'s name
@@ -308,7 +386,9 @@ def save(
     Returns:
         A :class:`SaveHandle`; already done unless ``async_op``.
     """
-    global _pending, _warned_sync_fallback
+    global _pending, _warned_sync_fallback, _staging
+    if staging not in ("blocking", "background"):
+        raise ValueError(f"staging must be 'blocking' or 'background', got {staging!r}")
     wait_pending()
     t0 = time.perf_counter()
     path = os.fspath(path)
@@ -331,8 +411,15 @@ def save(
 
     stats: dict[str, Any] = {}
 
-    def work(flat=None) -> str:
+    def work(flat=None, staged_event: threading.Event | None = None) -> str:
         try:
+            if staged_event is not None:
+                try:
+                    modified = _stager.complete()
+                finally:
+                    stats["staged_seconds"] = time.perf_counter() - t0
+                    staged_event.set()
+                _check_staged_everywhere(modified, group, on and world > 1)
             save_id = _agree_save_id(group, on and world > 1)
             if flat is None:
                 flat = flatten_state(state, for_load=False)
@@ -363,11 +450,19 @@ def save(
     # collectives that Partial / non-box plugin placements need, and the staging copies.
     # Agreeing on the save id, building DCP's view of the staged buffers, planning,
     # writing and committing run on the background thread, over the async gloo group.
-    staged = flatten_state(state, for_load=False, stage=_stager, defer=True)
+    background = staging == "background"
+    staged = flatten_state(state, for_load=False, stage=_stager, defer=True, background=background)
     if not on:
         group = None
-    handle = SaveHandle(path, _submit(lambda: work(staged)), t0, stats)
+    event: threading.Event | None = None
+    if background and _stager.deferred_bytes:
+        event = threading.Event()
+        _install_step_fence()
+        _staging = (event, stats)
+    handle = SaveHandle(path, _submit(lambda: work(staged, event)), t0, stats, event)
     handle.blocking_seconds = time.perf_counter() - t0
+    if event is None:
+        stats["staged_seconds"] = handle.blocking_seconds
     with _pending_lock:
         _pending = handle
     return handle

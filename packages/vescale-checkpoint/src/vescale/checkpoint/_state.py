@@ -215,6 +215,9 @@ class Stager:
         self._buffers: dict[str, torch.Tensor] = {}
         self._used: dict[str, torch.Tensor] = {}
         self._big: list[tuple[torch.Tensor, torch.Tensor]] = []
+        self._background = False
+        # (key, buffer, source, source version) of copies left to :meth:`complete`
+        self._deferred: list[tuple[str, torch.Tensor, torch.Tensor, int]] = []
         self._sync_cuda = False
         self._threads = 1
         self._pool: ThreadPoolExecutor | None = None
@@ -224,9 +227,12 @@ class Stager:
         self.bytes_allocated = 0
         self.threads_used = 1
 
-    def begin(self) -> None:
+    def begin(self, background: bool = False) -> None:
+        """Start a staging; with ``background``, CPU copies wait for :meth:`complete`."""
         self._used = {}
         self._big = []
+        self._background = background
+        self._deferred = []
         self._sync_cuda = False
         self._threads = (
             auto_copy_threads() if self.copy_threads is None else max(1, int(self.copy_threads))
@@ -250,8 +256,11 @@ class Stager:
         nbytes = buf.numel() * buf.element_size()
         if t.device.type == "cpu":
             check_storage(t, key)
+        version = _version_or_none(t) if self._background and t.device.type == "cpu" else None
         if pin:
             buf.copy_(t, non_blocking=True)
+        elif version is not None:
+            self._deferred.append((key, buf, t, version))
         elif self._threads > 1 and t.device.type == "cpu" and nbytes >= _PARALLEL_MIN_BYTES:
             self._big.append((buf, t))
         else:
@@ -286,17 +295,53 @@ class Stager:
         self.threads_used = min(self._threads, len(pieces))
 
     def finish(self) -> None:
+        """End the caller's part: every copy is done, except the deferred background ones."""
         if self._big:
             self._copy_big()
         if self._sync_cuda:
             torch.cuda.synchronize()
         self._buffers, self._used = self._used, {}
 
+    @property
+    def deferred_bytes(self) -> int:
+        """Bytes whose copy waits for :meth:`complete` (background staging)."""
+        return sum(b.numel() * b.element_size() for _, b, _, _ in self._deferred)
+
+    def complete(self) -> list[str]:
+        """Run the deferred copies (any thread); return the keys modified meanwhile.
+
+        A source whose version counter moved between :meth:`copy` and the end of its
+        copy was written to while being staged: its staged values may be torn.
+        """
+        pending, self._deferred = self._deferred, []
+        if not pending:
+            return []
+        self._big = [(b, t) for _, b, t, _ in pending]
+        if self._threads > 1 and sum(b.numel() * b.element_size() for b, _ in self._big) >= (
+            _PARALLEL_MIN_BYTES
+        ):
+            self._copy_big()
+        else:
+            for b, t in self._big:
+                raw_copy(b, t)
+            self._big = []
+        return [key for key, _, t, v in pending if t._version != v]
+
     def clear(self) -> None:
         """Drop every kept buffer."""
         self._buffers = {}
         self._used = {}
         self._big = []
+
+
+def _version_or_none(t: torch.Tensor) -> int | None:
+    """``t``'s version counter (bumped by every in-place write), or ``None`` if untracked."""
+    if t.is_inference():
+        return None
+    try:
+        return t._version
+    except RuntimeError:
+        return None
 
 
 class Later:
@@ -470,7 +515,12 @@ def _collect_modules(obj: Any, out: list[nn.Module]) -> None:
 
 
 def flatten_state(
-    state: dict[str, Any], *, for_load: bool, stage: Stager | None = None, defer: bool = False
+    state: dict[str, Any],
+    *,
+    for_load: bool,
+    stage: Stager | None = None,
+    defer: bool = False,
+    background: bool = False,
 ) -> FlatState:
     """Flatten ``state`` into DCP-ready tensors and JSON values.
 
@@ -483,6 +533,8 @@ def flatten_state(
         defer: (with ``stage``) leave the DCP objects that only depend on staged
             buffers (box views, manifest records) as :class:`Later` entries for
             :meth:`FlatState.build`, which an async save calls on its background thread.
+        background: (with ``stage``) leave the copies of dense CPU tensors to
+            :meth:`Stager.complete` (background staging).
 
     Returns:
         The :class:`FlatState`.
@@ -562,7 +614,7 @@ def flatten_state(
         flat.add_value(key, obj, setter)
 
     if stage is not None:
-        stage.begin()
+        stage.begin(background)
     try:
         walk(state, "", None)
     finally:
