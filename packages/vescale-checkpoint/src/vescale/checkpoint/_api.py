@@ -374,8 +374,9 @@ def save(
             in place meanwhile (by anything but an optimizer step) fails the save on
             every rank with a ``RuntimeError`` naming it, instead of saving torn values.
             :meth:`SaveHandle.wait_staged` waits for the copies explicitly (before
-            writing saved tensors outside an optimizer). CUDA tensors are staged
-            before the call returns in both modes.
+            writing saved tensors outside an optimizer). Module buffers (which
+            kernels such as BatchNorm's update without a version bump) and CUDA
+            tensors are staged before the call returns in both modes.
         keep_last: After committing, delete the oldest complete checkpoints of the same
             series so that at most ``keep_last`` remain (never ``path``). The series is
             the checkpoints in the same parent directory whose name is ``path``'s name

@@ -8,10 +8,11 @@ with the parameters. Non-tensor values go to the JSON manifest.
 
 from __future__ import annotations
 
+import contextlib
 import ctypes
 import math
 import os
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from typing import Any
@@ -302,6 +303,15 @@ class Stager:
             torch.cuda.synchronize()
         self._buffers, self._used = self._used, {}
 
+    @contextlib.contextmanager
+    def blocking(self) -> Iterator[None]:
+        """Copies requested inside happen now, even in a background staging."""
+        prev, self._background = self._background, False
+        try:
+            yield
+        finally:
+            self._background = prev
+
     @property
     def deferred_bytes(self) -> int:
         """Bytes whose copy waits for :meth:`complete` (background staging)."""
@@ -555,7 +565,14 @@ def flatten_state(
         if isinstance(obj, nn.Module):
             sd = obj.state_dict()
             has_values = any(not isinstance(v, torch.Tensor) for v in sd.values())
+            # Buffers may be written inside ops' kernels without a version bump
+            # (BatchNorm's running statistics): never stage them in the background.
+            buffers = {n for n, _ in obj.named_buffers()} if stage is not None else set()
             for k in list(sd):
+                if k in buffers:
+                    with stage.blocking():  # type: ignore[union-attr]
+                        walk(sd[k], _join(key, k), _dict_setter(sd, k))
+                    continue
                 walk(sd[k], _join(key, k), _dict_setter(sd, k))
             if for_load and has_values:
                 flat.finishers.append(lambda m=obj, sd=sd: m.load_state_dict(sd))
