@@ -49,7 +49,7 @@ BENCHMARKS = {
     "data parallel (vs torch DDP and FSDP2)": (
         "dp_bench.py",
         "step time, bytes sent vs ring bound, bytes copied, state memory per rank",
-        ["--world", "2", "4", "--steps", "3"],
+        ["--world", "2", "4", "--steps", "6"],
         ["--world", "2", "--steps", "2"],
     ),
     "optimizer (vs torch AdamW, naive Muon)": (

@@ -10,11 +10,11 @@ from __future__ import annotations
 import pytest
 import torch
 import torch.distributed as dist
-import torch.nn.functional as F
 from torch import nn
 
-from vescale.dtensor import DTensor, Replicate, Shard, distribute_tensor, init_device_mesh
+from vescale.dtensor import Replicate, Shard, distribute_tensor, init_device_mesh
 from vescale.dtensor.testing import distributed
+from vescale.dtensor.testing.models import GatheredLinear as Lin
 from vescale.optim import DistributedOptimizer
 
 BATCH = 8
@@ -24,20 +24,6 @@ WIDTHS = (6, 8, 8, 8, 4)  # 4 layers
 ONE_LAYER_PER_BUCKET_MB = 300 / 2**20
 ONE_LAYER_PER_BUCKET_MB_TP2 = 170 / 2**20
 ADAMW = {"lr": 0.05, "weight_decay": 0.1, "betas": (0.9, 0.95)}
-
-
-def _full(p: torch.Tensor) -> torch.Tensor:
-    return p.full_tensor() if isinstance(p, DTensor) else p
-
-
-class Lin(nn.Module):
-    def __init__(self, fan_in: int, fan_out: int, g: torch.Generator) -> None:
-        super().__init__()
-        self.weight = nn.Parameter(torch.randn(fan_out, fan_in, generator=g) / fan_in**0.5)
-        self.bias = nn.Parameter(torch.randn(fan_out, generator=g) * 0.1)
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return F.linear(x, _full(self.weight), _full(self.bias))
 
 
 class Stack(nn.Module):

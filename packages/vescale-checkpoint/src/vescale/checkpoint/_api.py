@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import os
 import shutil
 import threading
@@ -489,34 +490,20 @@ def _write(path, writer, tensors, manifest, save_id, group, keep_last, on, rank,
     target = f"{path}.tmp-{save_id}" if fs else path
     lock = SaveLock(target, save_id) if fs and rank == 0 else None
     try:
+        kwargs: dict[str, Any] = dict(
+            checkpoint_id=target, storage_writer=writer, planner=DefaultSavePlanner()
+        )
         if on:
-            dcp.save(
-                tensors,
-                checkpoint_id=target,
-                storage_writer=writer,
-                planner=DefaultSavePlanner(),
-                process_group=group,
-            )
-        elif threading.current_thread() is threading.main_thread():
-            # DCP warns that it saves in one process; so we mean to.
-            with warnings.catch_warnings():
-                warnings.filterwarnings("ignore", message="torch.distributed is disabled")
-                dcp.save(
-                    tensors,
-                    checkpoint_id=target,
-                    storage_writer=writer,
-                    planner=DefaultSavePlanner(),
-                    no_dist=True,
-                )
+            kwargs["process_group"] = group
         else:
-            # catch_warnings() swaps the process-wide filter list: not on a second thread.
-            dcp.save(
-                tensors,
-                checkpoint_id=target,
-                storage_writer=writer,
-                planner=DefaultSavePlanner(),
-                no_dist=True,
-            )
+            kwargs["no_dist"] = True
+        with contextlib.ExitStack() as stack:
+            # DCP warns that it saves in one process; so we mean to. catch_warnings()
+            # swaps the process-wide filter list: only on the main thread.
+            if not on and threading.current_thread() is threading.main_thread():
+                stack.enter_context(warnings.catch_warnings())
+                warnings.filterwarnings("ignore", message="torch.distributed is disabled")
+            dcp.save(tensors, **kwargs)
         failed: BaseException | None = None
         if rank == 0 and fs:
             try:
