@@ -113,8 +113,11 @@ def bench_worker(steps: int, cfg_kwargs: dict, batch: int, seq: int) -> dict:
             "loss": loss,
             "times": [],
         }
-    for _ in range(steps):
-        for name, (step, _opt) in sides.items():  # alternate
+    order = list(sides)
+    for i in range(steps):
+        # alternate, in reverse order every other round (no side always follows another)
+        for name in order if i % 2 == 0 else order[::-1]:
+            step = sides[name][0]
             dist.barrier()
             t0 = time.perf_counter()
             step()

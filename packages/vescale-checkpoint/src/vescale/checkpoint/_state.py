@@ -24,6 +24,7 @@ from torch.distributed.checkpoint.state_dict import (
     set_optimizer_state_dict,
 )
 from torch.distributed.tensor import DTensor, Partial, Replicate
+from torch.distributed.tensor.placement_types import _StridedShard
 
 from vescale.checkpoint._chunked import ChunkedTensor, chunked_from_dtensor
 from vescale.checkpoint._storage import check_storage
@@ -428,7 +429,10 @@ def _tensor_entry(t: torch.Tensor, key: str, *, for_load: bool, stage, flat: Fla
     _stage = (lambda x: stage.copy(key, x)) if stage else None
     if isinstance(t, DTensor):
         placements = t.placements
-        plugin = any(isinstance(p, PluginPlacement) for p in placements)
+        # torch's own DCP path describes a rank's data as one box: wrong for a
+        # _StridedShard (k slices of a dim), which goes through the fallback like a
+        # plugin placement whose data is not a set of boxes.
+        plugin = any(isinstance(p, (PluginPlacement, _StridedShard)) for p in placements)
         if any(isinstance(p, Partial) for p in placements):
             if for_load:
                 raise ValueError(
@@ -478,7 +482,10 @@ def _tensor_entry(t: torch.Tensor, key: str, *, for_load: bool, stage, flat: Fla
         elif not plugin:
             return t, info
         # A plugin placement whose data is not a set of boxes: go through its fallback.
-        fb_placements = [Replicate() if isinstance(p, PluginPlacement) else p for p in t.placements]
+        fb_placements = [
+            Replicate() if isinstance(p, (PluginPlacement, _StridedShard)) else p
+            for p in t.placements
+        ]
         fb = t.redistribute(placements=fb_placements)
         if for_load:
             target = t

@@ -9,7 +9,7 @@ from typing import Any
 import torch
 from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
-from torch.distributed.tensor import DTensor
+from torch.distributed.tensor import DTensor, Replicate
 
 from vescale.dmodule import _plan
 from vescale.dmodule._auto_plan import resolve_tp_dim
@@ -300,6 +300,8 @@ def parallelize_module(
             tp_dim=tp,
             sequence_parallel=bool(opts["sequence_parallel"]),
         )
+        if auto and any(mode == "fsdp" for _, mode, _ in dp_specs):
+            auto = _without_strided_shards(auto)
         if auto:
             plan = _plan.merge_plans(plan, _plan.normalize_plan(auto))
     resolved = _plan.resolve_plan(
@@ -381,6 +383,23 @@ def parallelize_module(
     _apply_data_parallel(model, device_mesh, dp_specs)
     _apply_checkpointing(model, state, ac)
     return model
+
+
+def _without_strided_shards(auto: dict[str, Any]) -> dict[str, Any]:
+    """The automatic plan with fused (``_StridedShard``) parameters replicated instead.
+
+    FSDP shards the tensor-parallel local tensor with ``RaggedShard``, which composes
+    with plain ``Shard`` only; a fused projection then stays replicated over tp.
+    """
+    from torch.distributed.tensor.placement_types import _StridedShard
+
+    params = {
+        k: [Replicate() if isinstance(p, _StridedShard) else p for p in v]
+        if isinstance(v, (list, tuple))
+        else v
+        for k, v in auto.get("parameter", {}).items()
+    }
+    return {**auto, "parameter": params}
 
 
 def _apply_checkpointing(model: nn.Module, state: _State, which: Any) -> None:

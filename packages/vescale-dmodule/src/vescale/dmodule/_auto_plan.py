@@ -21,8 +21,13 @@ Rules (applied to leaf modules by the last component of their name):
 * Norms (class name containing ``Norm``): replicated; with sequence parallelism
   their output is gathered to ``Replicate()`` (the all-gather before attention, MLP
   and ``lm_head`` in pre-norm transformers).
-* Fused QKV projections (``qkv c_attn Wqkv query_key_value qkv_proj``) are left
-  replicated in this version.
+* GPT-2's fused QKV projection ``c_attn`` (``[q; k; v]`` blocks, split into three
+  equal parts by the model): column-parallel as ``_StridedShard(out, split_factor=3)``
+  on weight and bias, so each rank holds the same heads of q, k and v and the split
+  yields ``Shard`` q/k/v without communication (vescale-dtensor adds the split and
+  cat rules). Other fused names (``qkv Wqkv query_key_value qkv_proj``) stay
+  replicated: their layouts differ by model (per-head interleaving, GQA's unequal
+  parts); plan them by hand.
 * HF ``Conv1D`` (GPT-2; weight stored ``[in, out]``) is handled with transposed dims.
 
 A layer whose sharded dim does not divide by the tensor-parallel size is left
@@ -37,6 +42,7 @@ from typing import Any
 from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import Replicate, Shard
+from torch.distributed.tensor.placement_types import _StridedShard
 
 __all__ = ["default_sharding_plan", "resolve_tp_dim"]
 
@@ -145,9 +151,11 @@ def default_sharding_plan(
             continue
         out_dim, fin, fout = dims
         in_dim = 1 - out_dim
-        kind = None  # fused QKV and unknown names stay replicated
+        kind = None  # other fused QKV and unknown names stay replicated
         if low in COLWISE:
             kind = "col"
+        elif low == "c_attn" and type(mod).__name__ == "Conv1D":
+            kind = "fused3"
         elif low in ROWWISE or (low == "dense" and "att" in parent.lower()):
             kind = "row"
         if kind == "col" and fout % n == 0:
@@ -156,6 +164,11 @@ def default_sharding_plan(
                 put(params, name, ".bias", place(Shard(0)))
             if low == "lm_head":
                 put(forward, name, ".output", on_tp(Replicate()))
+            shardable = True
+        elif kind == "fused3" and fout % (3 * n) == 0:
+            put(params, name, ".weight", place(_StridedShard(out_dim, split_factor=3)))
+            if getattr(mod, "bias", None) is not None:
+                put(params, name, ".bias", place(_StridedShard(0, split_factor=3)))
             shardable = True
         elif kind == "row" and fin % n == 0:
             put(params, name, ".weight", place(Shard(in_dim)))

@@ -17,6 +17,7 @@ import torch
 from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import Placement, Replicate, Shard
+from torch.distributed.tensor.placement_types import _StridedShard
 
 from vescale.dtensor import PluginPlacement
 
@@ -183,6 +184,15 @@ def check_param_placements(
                     "allow_uneven_shards=True"
                 )
             logical[d] = -(-logical[d] // n)
+        elif isinstance(p, _StridedShard):
+            d = p.dim + len(shape) if p.dim < 0 else p.dim
+            k = int(p.split_factor)
+            if not 0 <= d < len(shape) or logical[d] % (k * n):
+                raise ValueError(
+                    f"{where}: {p} on mesh dim {i} (size {n}) needs dim {p.dim} of shape "
+                    f"{tuple(shape)} to split into {k} parts that each divide by {n}"
+                )
+            logical[d] //= n
         elif isinstance(p, PluginPlacement):
             p.check_shape(tuple(logical), n)
         elif p.is_partial():

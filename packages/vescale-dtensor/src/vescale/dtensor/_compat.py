@@ -33,6 +33,7 @@ __all__ = [
     "ORIGINAL_REDISTRIBUTE",
     "ORIGINAL_FROM_LOCAL",
     "register_foreach_type",
+    "install_strided_split_rules",
     "check_torch_internals",
 ]
 
@@ -144,6 +145,168 @@ def register_foreach_type(cls: type) -> None:
             lst.append(cls)
 
 
+# ------------------------------------------------------------------ fused projections
+# A fused projection (QKV, gate+up) is column-parallel as ``_StridedShard(d, k)``: each
+# rank holds the same slice of every one of the ``k`` fused parts. torch 2.13 propagates
+# that layout through linear layers and views but gathers it for ``split``/``chunk``
+# into the parts, and ``cat`` (the backward of ``split``) of ``Shard(d)`` parts gathers
+# too. Two extra zero-communication strategies fix both:
+#   split/chunk of ``_StridedShard(d, k)`` into ``k`` equal parts  -> each ``Shard(d)``
+#   cat of ``k`` equal ``Shard(d)`` parts along ``d``              -> ``_StridedShard(d, k)``
+# (rank r's local tensor is ``[part_0 slice r, ..., part_k-1 slice r]`` in both).
+_STRIDED_RULES_INSTALLED = False
+
+
+def _propagator():
+    return DTensor._op_dispatcher.sharding_propagator
+
+
+def _strided_parts(spec, dim: int, k: int, part_len: int) -> int | None:
+    """The one mesh dim where ``spec`` is ``_StridedShard(dim, k)`` (evenly), else None."""
+    from torch.distributed.tensor.placement_types import _StridedShard
+
+    found = None
+    for i, p in enumerate(spec.placements):
+        if isinstance(p, _StridedShard):
+            if p.dim != dim:
+                continue
+            if p.split_factor != k or found is not None:
+                return None
+            found = i
+        elif isinstance(p, Shard) and p.dim == dim:
+            return None
+    if found is None or part_len % spec.mesh.size(found):
+        return None
+    return found
+
+
+def _split_sizes(size: int, arg) -> list[int]:
+    if isinstance(arg, int):
+        return [arg] * (size // arg) + ([size % arg] if size % arg else [])
+    return [int(a) for a in arg]
+
+
+def _wrap_split(orig):
+    from torch.distributed.tensor._op_schema import OpSpec, OpStrategy
+    from torch.distributed.tensor._ops.utils import generate_redistribute_costs
+
+    def strategy(op_schema):
+        out = orig(op_schema)
+        inp = op_schema.args_schema[0]
+        if not isinstance(inp, OpStrategy) or len(op_schema.args_schema) < 2:
+            return out
+        ndim = inp.ndim
+        dim = op_schema.args_schema[2] if len(op_schema.args_schema) > 2 else 0
+        dim = dim % ndim if ndim else 0
+        sizes = _split_sizes(inp.shape[dim], op_schema.args_schema[1])
+        if len(sizes) < 2 or len(set(sizes)) != 1:
+            return out
+        extra = []
+        for st in inp.strategies:
+            spec = st.output_spec
+            i = _strided_parts(spec, dim, len(sizes), sizes[0])
+            if i is None:
+                continue
+            placements = list(spec.placements)
+            placements[i] = Shard(dim)
+            outs = tuple(DTensorSpec(spec.mesh, tuple(placements)) for _ in sizes)
+            in_spec = DTensorSpec(spec.mesh, spec.placements, spec.tensor_meta)
+            extra.append(
+                OpSpec(
+                    output_specs=outs,
+                    input_specs=(in_spec,),
+                    redistribute_cost=[generate_redistribute_costs(inp, in_spec)],
+                )
+            )
+        return OpStrategy(extra + list(out.strategies)) if extra else out
+
+    strategy.__wrapped__ = orig  # type: ignore[attr-defined]
+    return strategy
+
+
+def _wrap_cat(orig):
+    from torch.distributed.tensor._op_schema import OpSpec, OpStrategy, TupleStrategy
+    from torch.distributed.tensor._ops.utils import generate_redistribute_costs
+    from torch.distributed.tensor.placement_types import _StridedShard
+
+    def strategy(op_schema):
+        out = orig(op_schema)
+        tup = op_schema.args_schema[0]
+        if not isinstance(tup, TupleStrategy) or len(tup.children) < 2:
+            return out
+        children = tup.children
+        if not all(isinstance(c, OpStrategy) and len(c.strategies) == 1 for c in children):
+            return out
+        specs = [c.strategies[0].output_spec for c in children]
+        first = specs[0]
+        ndim = len(first.shape)
+        dim = op_schema.args_schema[1] if len(op_schema.args_schema) > 1 else 0
+        dim = dim % ndim if ndim else 0
+        if any(s.placements != first.placements or s.shape != first.shape for s in specs):
+            return out
+        shard_dims = [
+            i
+            for i, p in enumerate(first.placements)
+            if isinstance(p, Shard) and not isinstance(p, _StridedShard) and p.dim == dim
+        ]
+        strided = [p for p in first.placements if isinstance(p, _StridedShard) and p.dim == dim]
+        if len(shard_dims) != 1 or strided or first.shape[dim] % first.mesh.size(shard_dims[0]):
+            return out
+        placements = list(first.placements)
+        placements[shard_dims[0]] = _StridedShard(dim, split_factor=len(specs))
+        in_specs = tuple(DTensorSpec(s.mesh, s.placements, s.tensor_meta) for s in specs)
+        extra = OpSpec(
+            output_specs=DTensorSpec(first.mesh, tuple(placements)),
+            input_specs=in_specs,
+            redistribute_cost=[
+                generate_redistribute_costs(c, sp) for c, sp in zip(children, in_specs)
+            ],
+        )
+        return OpStrategy([extra, *out.strategies])
+
+    strategy.__wrapped__ = orig  # type: ignore[attr-defined]
+    return strategy
+
+
+def _adjust_split_sizes(input_specs, schema):
+    """Local split sizes for a split of ``_StridedShard(dim, k)`` into ``k`` parts."""
+    from torch.distributed.tensor._op_schema import OpSchema
+
+    spec = input_specs[0]
+    args = list(schema.args_schema)
+    if len(args) < 2 or spec.tensor_meta is None:
+        return schema
+    ndim = len(spec.shape)
+    dim = (args[2] if len(args) > 2 else 0) % ndim if ndim else 0
+    sizes = _split_sizes(spec.shape[dim], args[1])
+    if len(sizes) < 2 or len(set(sizes)) != 1:
+        return schema
+    i = _strided_parts(spec, dim, len(sizes), sizes[0])
+    if i is None:
+        return schema
+    m = spec.mesh.size(i)
+    args[1] = args[1] // m if isinstance(args[1], int) else [int(a) // m for a in args[1]]
+    return OpSchema(schema.op, tuple(args), schema.kwargs_schema)
+
+
+def install_strided_split_rules() -> None:
+    """Add the two fused-projection strategies to torch's DTensor propagator (once)."""
+    global _STRIDED_RULES_INSTALLED
+    if _STRIDED_RULES_INSTALLED:
+        return
+    aten = torch.ops.aten
+    funcs = _propagator().op_strategy_funcs
+    adjusters = _propagator().op_to_scalar_shape_adjuster
+    for op in (aten.split.Tensor, aten.split_with_sizes.default):
+        funcs[op] = _wrap_split(funcs[op])
+        if op in adjusters:  # pragma: no cover - only if torch adds its own
+            raise RuntimeError(f"torch now adjusts {op}'s arguments itself; revisit vescale")
+        adjusters[op] = _adjust_split_sizes
+    funcs[aten.cat.default] = _wrap_cat(funcs[aten.cat.default])
+    _propagator().propagate_op_sharding.cache.cache_clear()
+    _STRIDED_RULES_INSTALLED = True
+
+
 def check_torch_internals() -> list[str]:
     """Probe every torch internal vescale-dtensor relies on.
 
@@ -197,6 +360,26 @@ def check_torch_internals() -> list[str]:
             problems.append("_foreach_supported_types no longer lists DTensor")
     except (ImportError, AttributeError) as exc:  # pragma: no cover - only on a torch change
         problems.append(f"_foreach_supported_types unavailable: {exc!r}")
+    try:
+        funcs = _propagator().op_strategy_funcs
+        for op in (
+            torch.ops.aten.split.Tensor,
+            torch.ops.aten.split_with_sizes.default,
+            torch.ops.aten.cat.default,
+        ):
+            if op not in funcs:
+                problems.append(f"no DTensor strategy function registered for {op}")
+        if not isinstance(_propagator().op_to_scalar_shape_adjuster, dict):
+            problems.append("ShardingPropagator.op_to_scalar_shape_adjuster changed")
+        from torch.distributed.tensor._op_schema import OpSpec, OpStrategy, TupleStrategy
+        from torch.distributed.tensor._ops.utils import generate_redistribute_costs
+        from torch.distributed.tensor.placement_types import _StridedShard
+
+        if "split_factor" not in inspect.signature(_StridedShard).parameters:
+            problems.append("_StridedShard(dim, split_factor=...) changed")
+        del OpSpec, OpStrategy, TupleStrategy, generate_redistribute_costs
+    except (AttributeError, ImportError, TypeError, ValueError) as exc:  # pragma: no cover
+        problems.append(f"DTensor sharding propagator internals changed: {exc!r}")
     if not isinstance(Replicate(), torch._C._distributed.Placement):
         problems.append("placements are no longer torch._C._distributed.Placement")
     return problems

@@ -618,5 +618,6 @@ def install_patches() -> None:
     Built-in-only calls go straight to torch's original implementation.
     """
     _compat.register_foreach_type(PluginDTensor)
+    _compat.install_strided_split_rules()
     DTensor.redistribute = _patched_redistribute  # type: ignore[method-assign]
     DTensor.from_local = staticmethod(_patched_from_local)  # type: ignore[method-assign]
