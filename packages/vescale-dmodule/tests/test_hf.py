@@ -1,7 +1,8 @@
 """HF GPT-2 and LLaMA (tiny configs, random init) under the automatic TP/SP plan.
 
 Skipped without ``transformers`` (an optional test dependency). Models use eager
-attention: torch 2.13 has no DTensor sharding rule for CPU flash attention.
+attention, and HF's default SDPA attention (``F.scaled_dot_product_attention``, whose CPU
+flash kernel gets its DTensor rule from vescale-dtensor) in the ``sdpa`` tests.
 """
 
 from __future__ import annotations
@@ -21,7 +22,7 @@ from vescale.dtensor.testing import distributed  # noqa: E402
 TOL = dict(atol=1e-5, rtol=1e-5)
 
 
-def _build(kind):
+def _build(kind, attn="eager"):
     import transformers
 
     if kind == "gpt2":
@@ -29,21 +30,21 @@ def _build(kind):
             vocab_size=64, n_positions=16, n_embd=32, n_layer=2, n_head=4,
             resid_pdrop=0.0, embd_pdrop=0.0, attn_pdrop=0.0,
         )  # fmt: skip
-        cfg._attn_implementation = "eager"
+        cfg._attn_implementation = attn
         return transformers.GPT2LMHeadModel(cfg)
     cfg = transformers.LlamaConfig(
         vocab_size=64, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
         num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=16,
         tie_word_embeddings=False,
     )  # fmt: skip
-    cfg._attn_implementation = "eager"
+    cfg._attn_implementation = attn
     return transformers.LlamaForCausalLM(cfg)
 
 
-def run_hf(kind, sp, steps=2):
+def run_hf(kind, sp, steps=2, attn="eager"):
     mesh = init_device_mesh("cpu", (2,), mesh_dim_names=("tp",))
     torch.manual_seed(0)
-    model = _build(kind).eval()  # eval: no dropout; grads still flow
+    model = _build(kind, attn).eval()  # eval: no dropout; grads still flow
     ref = copy.deepcopy(model)
     parallelize_module(model, mesh, sequence_parallel=sp)
     assert isinstance(model, type(ref))
@@ -104,6 +105,12 @@ def _check_gpt2_forward_comm(model, ids):
 @distributed(2)
 def test_hf_gpt2_tp():
     run_hf("gpt2", sp=False)
+
+
+@pytest.mark.parametrize("kind", ["gpt2", "llama"])
+@distributed(2)
+def test_hf_sdpa_attention_tp(kind):
+    run_hf(kind, sp=False, attn="sdpa")
 
 
 @distributed(2)

@@ -34,6 +34,7 @@ __all__ = [
     "ORIGINAL_FROM_LOCAL",
     "register_foreach_type",
     "install_strided_split_rules",
+    "install_cpu_attention_rules",
     "check_torch_internals",
 ]
 
@@ -307,6 +308,51 @@ def install_strided_split_rules() -> None:
     _STRIDED_RULES_INSTALLED = True
 
 
+# ------------------------------------------------------------------ CPU attention
+# torch 2.13 has DTensor strategies for the CUDA flash/efficient/cuDNN attention ops
+# but none for the CPU flash kernel that ``F.scaled_dot_product_attention`` picks on
+# CPU. The same rules as torch's CUDA flash op: all replicated, heads sharded (dim 1,
+# tensor parallelism) or batch sharded (dim 0), for query/key/value, the output and
+# the logsumexp alike; forward and backward. Masks are not covered (no rule then).
+_CPU_ATTENTION_INSTALLED = False
+
+
+def _cpu_attention_strategy(n_out: int, n_in: int, input_index: int):
+    from torch.distributed.tensor._ops.utils import expand_to_full_mesh_op_strategy
+
+    singles = [[Replicate()] * (n_out + n_in), [Shard(1)] * (n_out + n_in)]
+    singles.append([Shard(0)] * (n_out + n_in))
+
+    def strategy(op_schema):
+        if op_schema.kwargs_schema.get("attn_mask") is not None:
+            raise NotImplementedError(
+                "vescale: no DTensor rule for CPU flash attention with an attn_mask; pass "
+                "is_causal=True instead of a causal mask, or use eager attention"
+            )
+        mesh = op_schema.get_mesh_from_args(validate=False)
+        return expand_to_full_mesh_op_strategy(
+            mesh, op_schema, [list(s) for s in singles], input_index=input_index
+        )
+
+    return strategy
+
+
+def install_cpu_attention_rules() -> None:
+    """Register DTensor strategies for ``_scaled_dot_product_flash_attention_for_cpu``."""
+    global _CPU_ATTENTION_INSTALLED
+    if _CPU_ATTENTION_INSTALLED:
+        return
+    aten = torch.ops.aten
+    prop = _propagator()
+    fwd = aten._scaled_dot_product_flash_attention_for_cpu.default
+    bwd = aten._scaled_dot_product_flash_attention_for_cpu_backward.default
+    if fwd not in prop.op_strategy_funcs:  # torch may ship its own some day
+        prop.register_op_strategy(fwd, _cpu_attention_strategy(2, 3, 2))
+        prop.register_op_strategy(bwd, _cpu_attention_strategy(3, 6, 3))
+        prop.propagate_op_sharding.cache.cache_clear()
+    _CPU_ATTENTION_INSTALLED = True
+
+
 def check_torch_internals() -> list[str]:
     """Probe every torch internal vescale-dtensor relies on.
 
@@ -369,6 +415,12 @@ def check_torch_internals() -> list[str]:
         ):
             if op not in funcs:
                 problems.append(f"no DTensor strategy function registered for {op}")
+        from torch.distributed.tensor._ops.utils import expand_to_full_mesh_op_strategy
+
+        if "input_index" not in inspect.signature(expand_to_full_mesh_op_strategy).parameters:
+            problems.append("expand_to_full_mesh_op_strategy lost its input_index argument")
+        if not callable(getattr(_propagator(), "register_op_strategy", None)):
+            problems.append("ShardingPropagator.register_op_strategy is missing")
         if not isinstance(_propagator().op_to_scalar_shape_adjuster, dict):
             problems.append("ShardingPropagator.op_to_scalar_shape_adjuster changed")
         from torch.distributed.tensor._op_schema import OpSpec, OpStrategy, TupleStrategy

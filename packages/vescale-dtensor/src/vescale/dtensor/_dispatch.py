@@ -619,5 +619,6 @@ def install_patches() -> None:
     """
     _compat.register_foreach_type(PluginDTensor)
     _compat.install_strided_split_rules()
+    _compat.install_cpu_attention_rules()
     DTensor.redistribute = _patched_redistribute  # type: ignore[method-assign]
     DTensor.from_local = staticmethod(_patched_from_local)  # type: ignore[method-assign]
