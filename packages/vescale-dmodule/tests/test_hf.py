@@ -152,3 +152,23 @@ def test_hf_gpt2_fsdp_x_tp_keeps_fused_qkv_replicated_over_tp():
     ref_logits = ref(input_ids=ids, use_cache=False).logits
     got = logits.full_tensor() if isinstance(logits, DTensor) else logits
     torch.testing.assert_close(got, ref_logits, **TOL)
+
+
+@pytest.mark.parametrize("kind", ["gpt2", "llama"])
+@distributed(2)
+def test_hf_generate_with_kv_cache_tp(kind):
+    # HF's KV cache starts as an empty 1-D tensor that torch.cat skips; generate()
+    # mixes the DTensor logits with plain input ids (hence implicit_replication).
+    from torch.distributed.tensor.experimental import implicit_replication
+
+    mesh = init_device_mesh("cpu", (2,), mesh_dim_names=("tp",))
+    torch.manual_seed(0)
+    model = _build(kind, "sdpa").eval()
+    ref = copy.deepcopy(model)
+    parallelize_module(model, mesh)
+    ids = torch.randint(0, 64, (2, 5))
+    with torch.no_grad(), implicit_replication():
+        got = model.generate(ids, max_new_tokens=4, do_sample=False, use_cache=True)
+    want = ref.generate(ids, max_new_tokens=4, do_sample=False, use_cache=True)
+    got = got.full_tensor() if isinstance(got, DTensor) else got
+    assert torch.equal(got, want), (got, want)

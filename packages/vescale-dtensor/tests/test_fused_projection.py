@@ -79,3 +79,16 @@ def test_other_splits_keep_torch_rules():
     parts = rows.split(4, dim=1)
     assert [p.placements for p in parts] == [(Shard(0),)] * 3
     assert all(torch.equal(p.full_tensor(), w) for p, w in zip(parts, t.split(4, dim=1)))
+
+
+@distributed(2)
+def test_cat_skips_a_legacy_empty_tensor_like_torch():
+    # an empty KV cache (torch.tensor([])) appended to: torch.cat skips 1-D empties
+    mesh = init_device_mesh("cpu", (2,))
+    kv = torch.randn(2, 4, 3, 8)
+    empty = distribute_tensor(torch.tensor([]), mesh, [Replicate()])
+    sharded = distribute_tensor(kv, mesh, [Shard(1)])
+    with CommDebugMode() as comm:
+        out = torch.cat([empty, sharded], dim=-2)
+    assert comm.get_total_counts() == 0
+    assert out.placements == (Shard(1),) and torch.equal(out.full_tensor(), kv)

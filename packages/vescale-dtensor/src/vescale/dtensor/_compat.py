@@ -230,9 +230,50 @@ def _wrap_cat(orig):
     from torch.distributed.tensor._ops.utils import generate_redistribute_costs
     from torch.distributed.tensor.placement_types import _StridedShard
 
+    def legacy_empty(op_schema, children, specs):
+        """``cat`` skips 1-D empty tensors (e.g. an empty KV cache being appended to):
+        keep them replicated and the others as they are, instead of redistributing an
+        empty tensor to a placement it has no dims for."""
+        empties = {i for i, sp in enumerate(specs) if tuple(sp.shape) == (0,)}
+        rest = [sp for i, sp in enumerate(specs) if i not in empties]
+        ref = rest[0]
+        ndim = len(ref.shape)
+        dim = op_schema.args_schema[1] if len(op_schema.args_schema) > 1 else 0
+        dim = dim % ndim if ndim else 0
+        if any(sp.placements != ref.placements for sp in rest) or any(
+            isinstance(p, (Shard, _StridedShard)) and p.dim % max(ndim, 1) == dim
+            for p in ref.placements
+        ):
+            return None
+        replicate = (Replicate(),) * ref.mesh.ndim
+        in_specs = tuple(
+            DTensorSpec(sp.mesh, replicate if i in empties else sp.placements, sp.tensor_meta)
+            for i, sp in enumerate(specs)
+        )
+        return OpStrategy(
+            [
+                OpSpec(
+                    output_specs=DTensorSpec(ref.mesh, ref.placements),
+                    input_specs=in_specs,
+                    redistribute_cost=[
+                        generate_redistribute_costs(c, sp) for c, sp in zip(children, in_specs)
+                    ],
+                )
+            ]
+        )
+
     def strategy(op_schema):
-        out = orig(op_schema)
         tup = op_schema.args_schema[0]
+        if isinstance(tup, TupleStrategy) and all(
+            isinstance(c, OpStrategy) and len(c.strategies) == 1 for c in tup.children
+        ):
+            specs = [c.strategies[0].output_spec for c in tup.children]
+            n_empty = sum(tuple(sp.shape) == (0,) for sp in specs)
+            if 0 < n_empty < len(specs):
+                legacy = legacy_empty(op_schema, tup.children, specs)
+                if legacy is not None:
+                    return legacy
+        out = orig(op_schema)
         if not isinstance(tup, TupleStrategy) or len(tup.children) < 2:
             return out
         children = tup.children
