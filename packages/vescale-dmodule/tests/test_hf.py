@@ -41,12 +41,13 @@ def _build(kind, attn="eager"):
     return transformers.LlamaForCausalLM(cfg)
 
 
-def run_hf(kind, sp, steps=2, attn="eager"):
-    mesh = init_device_mesh("cpu", (2,), mesh_dim_names=("tp",))
+def run_hf(kind, sp, steps=2, attn="eager", mesh_shape=(2,), plan=None):
+    names = ("dp", "tp") if len(mesh_shape) == 2 else ("tp",)
+    mesh = init_device_mesh("cpu", mesh_shape, mesh_dim_names=names)
     torch.manual_seed(0)
     model = _build(kind, attn).eval()  # eval: no dropout; grads still flow
     ref = copy.deepcopy(model)
-    parallelize_module(model, mesh, sequence_parallel=sp)
+    parallelize_module(model, mesh, plan(mesh.ndim) if plan else None, sequence_parallel=sp)
     assert isinstance(model, type(ref))
     sharded = [
         n for n, p in model.named_parameters() if any(isinstance(q, Shard) for q in p.placements)
@@ -58,7 +59,7 @@ def run_hf(kind, sp, steps=2, attn="eager"):
         # the fused QKV projection is column-parallel over its three parts
         for name, p in model.named_parameters():
             if "c_attn" in name:
-                assert p.placements == (_StridedShard(p.ndim - 1, split_factor=3),), name
+                assert p.placements[-1] == _StridedShard(p.ndim - 1, split_factor=3), name
     ids = torch.randint(0, 64, (2, 8))
     opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
     ref_opt = torch.optim.AdamW(ref.parameters(), lr=1e-2)
@@ -111,6 +112,50 @@ def test_hf_gpt2_tp():
 @distributed(2)
 def test_hf_sdpa_attention_tp(kind):
     run_hf(kind, sp=False, attn="sdpa")
+
+
+@pytest.mark.parametrize("kind", ["gpt2", "llama"])
+@distributed(4)
+def test_hf_tp4(kind):
+    run_hf(kind, sp=False, mesh_shape=(4,))
+
+
+@pytest.mark.parametrize("kind,sp", [("gpt2", True), ("llama", False)])
+@distributed(4)
+def test_hf_dp2_x_tp2(kind, sp):
+    run_hf(kind, sp=sp, mesh_shape=(2, 2))
+
+
+def _gpt2_hand_plan(ndim):
+    """Megatron TP for HF GPT-2, written by hand (tp is the last mesh dim)."""
+    from torch.distributed.tensor.placement_types import _StridedShard
+
+    from vescale.dtensor import Replicate
+
+    def tp(p):
+        return [Replicate()] * (ndim - 1) + [p]
+
+    blk = r"transformer\.h\.\d+"
+    return {
+        "parameter": {
+            r"transformer\.wte.weight": tp(Shard(0)),
+            rf"{blk}\.attn\.c_attn.weight": tp(_StridedShard(1, split_factor=3)),
+            rf"{blk}\.attn\.c_attn.bias": tp(_StridedShard(0, split_factor=3)),
+            rf"{blk}\.(attn|mlp)\.c_proj.weight": tp(Shard(0)),
+            rf"{blk}\.mlp\.c_fc.weight": tp(Shard(1)),
+            rf"{blk}\.mlp\.c_fc.bias": tp(Shard(0)),
+        },
+        "forward": {
+            r"transformer\.wte.output": [tp(Replicate())],
+            rf"{blk}\.(attn|mlp)\.c_proj.output": [tp(Replicate())],
+            r"lm_head.output": [tp(Replicate())],
+        },
+    }
+
+
+@distributed(2)
+def test_hf_gpt2_hand_written_plan():
+    run_hf("gpt2", sp=False, plan=_gpt2_hand_plan)
 
 
 @distributed(2)

@@ -31,7 +31,9 @@ Rules (applied to leaf modules by the last component of their name):
 * HF ``Conv1D`` (GPT-2; weight stored ``[in, out]``) is handled with transposed dims.
 
 A layer whose sharded dim does not divide by the tensor-parallel size is left
-replicated. Names with layer indices are generalised to ``\\d+`` regexes.
+replicated, and so is a q/k/v (or fused) projection whose head count does not divide
+(GQA's key/value heads on a larger tp; the head size is read from the attention
+module's ``head_dim`` or ``head_size``). Names with layer indices are generalised to ``\\d+`` regexes.
 """
 
 from __future__ import annotations
@@ -78,6 +80,18 @@ def resolve_tp_dim(mesh: DeviceMesh, tp_dim: int | str | None) -> int:
 
 def _generalise(name: str) -> str:
     return r"\.".join(r"\d+" if part.isdigit() else re.escape(part) for part in name.split("."))
+
+
+_QKV = {"q_proj", "k_proj", "v_proj", "query", "key", "value", "wq", "wk", "wv"}
+
+
+def _head_dim(attn: nn.Module | None) -> int | None:
+    """The head size of an attention module (``head_dim`` / ``head_size``), if it says."""
+    for attr in ("head_dim", "head_size"):
+        v = getattr(attn, attr, None)
+        if isinstance(v, int) and v > 0:
+            return v
+    return None
 
 
 def _linear_dims(mod: nn.Module) -> tuple[int, int, int] | None:
@@ -158,6 +172,14 @@ def default_sharding_plan(
             kind = "fused3"
         elif low in ROWWISE or (low == "dense" and "att" in parent.lower()):
             kind = "row"
+        # Attention projections shard whole heads: a head count that does not divide by
+        # the tp size (GQA's few key/value heads) leaves the projection replicated.
+        head_dim = _head_dim(modules.get(parent))
+        if head_dim and low in _QKV:
+            if fout % (head_dim * n):
+                kind = None
+        if kind == "fused3" and head_dim and (fout // 3) % (head_dim * n):
+            kind = None
         if kind == "col" and fout % n == 0:
             put(params, name, ".weight", place(Shard(out_dim)))
             if getattr(mod, "bias", None) is not None:
