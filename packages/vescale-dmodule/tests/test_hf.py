@@ -41,7 +41,7 @@ def _build(kind, attn="eager"):
     return transformers.LlamaForCausalLM(cfg)
 
 
-def run_hf(kind, sp, steps=2, attn="eager", mesh_shape=(2,), plan=None):
+def run_hf(kind, sp, steps=3, attn="eager", mesh_shape=(2,), plan=None):
     names = ("dp", "tp") if len(mesh_shape) == 2 else ("tp",)
     mesh = init_device_mesh("cpu", mesh_shape, mesh_dim_names=names)
     torch.manual_seed(0)
@@ -153,9 +153,36 @@ def _gpt2_hand_plan(ndim):
     }
 
 
-@distributed(2)
-def test_hf_gpt2_hand_written_plan():
-    run_hf("gpt2", sp=False, plan=_gpt2_hand_plan)
+def _llama_hand_plan(ndim):
+    """Megatron TP for HF LLaMA, written by hand (tp is the last mesh dim)."""
+    from vescale.dtensor import Replicate
+
+    def tp(p):
+        return [Replicate()] * (ndim - 1) + [p]
+
+    layer = r"model\.layers\.\d+"
+    return {
+        "parameter": {
+            r"model\.embed_tokens.weight": tp(Shard(0)),
+            rf"{layer}\.self_attn\.(q|k|v)_proj.weight": tp(Shard(0)),
+            rf"{layer}\.self_attn\.o_proj.weight": tp(Shard(1)),
+            rf"{layer}\.mlp\.(gate|up)_proj.weight": tp(Shard(0)),
+            rf"{layer}\.mlp\.down_proj.weight": tp(Shard(1)),
+            r"lm_head.weight": tp(Shard(0)),
+        },
+        "forward": {
+            r"model\.embed_tokens.output": [tp(Replicate())],
+            rf"{layer}\.(self_attn\.o_proj|mlp\.down_proj).output": [tp(Replicate())],
+            r"lm_head.output": [tp(Replicate())],
+        },
+    }
+
+
+@pytest.mark.parametrize("kind,mesh_shape", [("gpt2", (4,)), ("llama", (2, 2))])
+@distributed(4)
+def test_hf_hand_written_plans(kind, mesh_shape):
+    plan = _gpt2_hand_plan if kind == "gpt2" else _llama_hand_plan
+    run_hf(kind, sp=False, mesh_shape=mesh_shape, plan=plan)
 
 
 @distributed(2)
