@@ -126,56 +126,52 @@ def test_hf_dp2_x_tp2(kind, sp):
     run_hf(kind, sp=sp, mesh_shape=(2, 2))
 
 
-def _gpt2_hand_plan(ndim):
-    """Megatron TP for HF GPT-2, written by hand (tp is the last mesh dim)."""
-    from torch.distributed.tensor.placement_types import _StridedShard
-
+def _megatron_plan(ndim, params, replicated_outputs):
+    """A hand-written plan: ``params`` (key -> placement on tp, the last mesh dim) and
+    the module outputs all-reduced / gathered to ``Replicate()``."""
     from vescale.dtensor import Replicate
 
     def tp(p):
         return [Replicate()] * (ndim - 1) + [p]
 
-    blk = r"transformer\.h\.\d+"
     return {
-        "parameter": {
-            r"transformer\.wte.weight": tp(Shard(0)),
-            rf"{blk}\.attn\.c_attn.weight": tp(_StridedShard(1, split_factor=3)),
-            rf"{blk}\.attn\.c_attn.bias": tp(_StridedShard(0, split_factor=3)),
-            rf"{blk}\.(attn|mlp)\.c_proj.weight": tp(Shard(0)),
-            rf"{blk}\.mlp\.c_fc.weight": tp(Shard(1)),
-            rf"{blk}\.mlp\.c_fc.bias": tp(Shard(0)),
-        },
-        "forward": {
-            r"transformer\.wte.output": [tp(Replicate())],
-            rf"{blk}\.(attn|mlp)\.c_proj.output": [tp(Replicate())],
-            r"lm_head.output": [tp(Replicate())],
-        },
+        "parameter": {k: tp(p) for k, p in params.items()},
+        "forward": {k: [tp(Replicate())] for k in replicated_outputs},
     }
+
+
+def _gpt2_hand_plan(ndim):
+    from torch.distributed.tensor.placement_types import _StridedShard
+
+    blk = r"transformer\.h\.\d+"
+    params = {
+        r"transformer\.wte.weight": Shard(0),
+        rf"{blk}\.attn\.c_attn.weight": _StridedShard(1, split_factor=3),
+        rf"{blk}\.attn\.c_attn.bias": _StridedShard(0, split_factor=3),
+        rf"{blk}\.(attn|mlp)\.c_proj.weight": Shard(0),
+        rf"{blk}\.mlp\.c_fc.weight": Shard(1),
+        rf"{blk}\.mlp\.c_fc.bias": Shard(0),
+    }
+    outs = [r"transformer\.wte.output", rf"{blk}\.(attn|mlp)\.c_proj.output", "lm_head.output"]
+    return _megatron_plan(ndim, params, outs)
 
 
 def _llama_hand_plan(ndim):
-    """Megatron TP for HF LLaMA, written by hand (tp is the last mesh dim)."""
-    from vescale.dtensor import Replicate
-
-    def tp(p):
-        return [Replicate()] * (ndim - 1) + [p]
-
     layer = r"model\.layers\.\d+"
-    return {
-        "parameter": {
-            r"model\.embed_tokens.weight": tp(Shard(0)),
-            rf"{layer}\.self_attn\.(q|k|v)_proj.weight": tp(Shard(0)),
-            rf"{layer}\.self_attn\.o_proj.weight": tp(Shard(1)),
-            rf"{layer}\.mlp\.(gate|up)_proj.weight": tp(Shard(0)),
-            rf"{layer}\.mlp\.down_proj.weight": tp(Shard(1)),
-            r"lm_head.weight": tp(Shard(0)),
-        },
-        "forward": {
-            r"model\.embed_tokens.output": [tp(Replicate())],
-            rf"{layer}\.(self_attn\.o_proj|mlp\.down_proj).output": [tp(Replicate())],
-            r"lm_head.output": [tp(Replicate())],
-        },
+    params = {
+        r"model\.embed_tokens.weight": Shard(0),
+        rf"{layer}\.self_attn\.(q|k|v)_proj.weight": Shard(0),
+        rf"{layer}\.self_attn\.o_proj.weight": Shard(1),
+        rf"{layer}\.mlp\.(gate|up)_proj.weight": Shard(0),
+        rf"{layer}\.mlp\.down_proj.weight": Shard(1),
+        "lm_head.weight": Shard(0),
     }
+    outs = [
+        r"model\.embed_tokens.output",
+        rf"{layer}\.(self_attn\.o_proj|mlp\.down_proj).output",
+        "lm_head.output",
+    ]
+    return _megatron_plan(ndim, params, outs)
 
 
 @pytest.mark.parametrize("kind,mesh_shape", [("gpt2", (4,)), ("llama", (2, 2))])
