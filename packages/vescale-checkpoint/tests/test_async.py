@@ -273,12 +273,12 @@ def background_fence_body(path, fsdp):
     assert h.staged_seconds >= 0.5 > h.blocking_seconds
     # the checkpoint holds the values at save time, exactly like the blocking one
     with pytest.raises(AssertionError):
-        _assert_same_checkpoint(path, f"{path}_blocking_now", state, mesh)
-    _assert_same_checkpoint(path, f"{path}_blocking", None, mesh)
+        _assert_same_checkpoint(path, f"{path}_blocking_now", state)
+    _assert_same_checkpoint(path, f"{path}_blocking", None)
     return True
 
 
-def _assert_same_checkpoint(a, b, state, mesh):
+def _assert_same_checkpoint(a, b, state):
     if state is not None:  # save the live (changed) state to b first
         vckpt.save(b, state).result()
     reader = vckpt.VescaleFileSystemReader

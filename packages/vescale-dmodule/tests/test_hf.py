@@ -220,6 +220,14 @@ def test_hf_gpt2_fsdp_x_tp_keeps_fused_qkv_replicated_over_tp():
     ref_logits = ref(input_ids=ids, use_cache=False).logits
     got = logits.full_tensor() if isinstance(logits, DTensor) else logits
     torch.testing.assert_close(got, ref_logits, **TOL)
+    # a hand-written plan with a fused projection and FSDP: a clear error up front
+    from torch.distributed.tensor.placement_types import _StridedShard
+
+    strided = {
+        r"transformer\.h\.\d+\.attn\.c_attn.weight": [Replicate(), _StridedShard(1, split_factor=3)]
+    }
+    with pytest.raises(ValueError, match="FSDP composes with plain Shard only"):
+        DModule(_build("gpt2"), mesh, strided, data_parallel={"dp": "fsdp"})
 
 
 @pytest.mark.parametrize("kind", ["gpt2", "llama"])

@@ -10,6 +10,7 @@ import torch
 from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor, Replicate
+from torch.distributed.tensor.placement_types import _StridedShard
 
 from vescale.dmodule import _plan
 from vescale.dmodule._auto_plan import resolve_tp_dim
@@ -391,8 +392,6 @@ def _without_strided_shards(auto: dict[str, Any]) -> dict[str, Any]:
     FSDP shards the tensor-parallel local tensor with ``RaggedShard``, which composes
     with plain ``Shard`` only; a fused projection then stays replicated over tp.
     """
-    from torch.distributed.tensor.placement_types import _StridedShard
-
     params = {
         k: [Replicate() if isinstance(p, _StridedShard) else p for p in v]
         if isinstance(v, (list, tuple))
@@ -501,6 +500,12 @@ def _check_dp_against_plan(dp_specs: list, resolved: Any, mesh: DeviceMesh) -> N
                 raise ValueError(
                     f"data_parallel: {mode} on mesh dim {name!r}, but the sharding plan already "
                     f"places {e.names[0]!r} as {e.placements[dim]} on that dim"
+                )
+            if mode == "fsdp" and any(isinstance(p, _StridedShard) for p in e.placements):
+                raise ValueError(
+                    f"data_parallel: fsdp on mesh dim {_dim_name(mesh, dim)!r} cannot shard "
+                    f"{e.names[0]!r}, placed {list(e.placements)}: FSDP composes with plain "
+                    "Shard only; plan the fused projection Replicate() on tp instead"
                 )
 
 
