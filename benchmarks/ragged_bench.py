@@ -55,6 +55,7 @@ def _pack_case(kernels, label: str, count: int, size: int, repeat: int) -> list[
         f"pack ({kernels.name})": _time(lambda: kernels.pack(ts, out), repeat),
         f"unpack ({kernels.name})": _time(lambda: kernels.unpack(out, ts), repeat),
         "pack fp32->bf16": _time(lambda: kernels.pack(ts, out_bf16), repeat),
+        "unpack bf16->fp32": _time(lambda: kernels.unpack(out_bf16, ts), repeat),
         "pack: torch.cat(out=)": cat,
         "pack: loop of copy_": _time(lambda: [v.copy_(t) for v, t in zip(views, ts)], repeat),
         "unpack: split_with_sizes_copy": _time(
