@@ -256,8 +256,13 @@ class FSDPEngine(SyncToggle):
             if not mine:
                 continue
             named = [(paths[id(p)][0][2], p) for p in mine]
+            # order="auto": the planner may reorder a group's buffer (same layout as the
+            # given order for "element" granularity; less padding for coarse units)
             layouts = layouts_from_tensors(
-                [(n, local_tensor(p)) for n, p in named], self.world, granularity=granularity
+                [(n, local_tensor(p)) for n, p in named],
+                self.world,
+                granularity=granularity,
+                order="auto",
             )
             by_name = dict(named)
             bufs = []

@@ -22,7 +22,8 @@ Two layouts:
   when it ends above ``1 + 1/1000`` ``max / min``, *padding placement* also runs: it
   finds the least ``S`` any even layout of the parameters in this order has (an exact
   greedy on the padding in front of each parameter) and spreads the padding over the
-  slices; the better ``max / min`` wins.
+  slices; the better ``max / min`` wins. With ``order="auto"`` the planner also tries
+  sorted orders of each buffer's parameters (:func:`_candidate_orders`).
 * **weighted** (``weights`` not all equal): rank ``r`` holds about
   ``weights[r] / sum(weights)`` of the data; no padding at all. Slices have
   different lengths, so gathering them takes one broadcast per rank.
@@ -315,6 +316,7 @@ def plan_flat_buffers(
     num_ranks: int,
     *,
     weights: Sequence[float] | None = None,
+    order: str = "given",
 ) -> dict[torch.dtype, FlatLayout]:
     """Plan one flat buffer per dtype for ``params`` sharded over ``num_ranks`` ranks.
 
@@ -325,6 +327,10 @@ def plan_flat_buffers(
         weights: Optional relative share of each rank. Equal or absent weights give
             the even (rank-padded) layout; unequal weights give an unpadded layout
             with slices proportional to the weights.
+        order: ``"given"`` keeps every buffer in the order of ``params``; ``"auto"``
+            lets the planner reorder each even buffer's parameters (it tries the given
+            order and a few sorted ones and keeps the best ``max / min`` rank load,
+            then the least padding). :attr:`FlatLayout.params` is in buffer order.
 
     Returns:
         A :class:`FlatLayout` per dtype, in order of first appearance.
@@ -333,8 +339,10 @@ def plan_flat_buffers(
         TypeError: A spec, shape, dtype or granularity has the wrong type (the
             parameter is named).
         ValueError: A duplicate name, a negative size, an invalid granularity or
-            invalid ``num_ranks``/``weights``.
+            invalid ``num_ranks``/``weights``/``order``.
     """
+    if order not in _ORDERS:
+        raise ValueError(f"order must be one of {_ORDERS}, got {order!r}")
     if not isinstance(num_ranks, int) or isinstance(num_ranks, bool) or num_ranks < 1:
         raise ValueError(f"num_ranks must be a positive int, got {num_ranks!r}")
     w: list[float] | None = None
@@ -354,19 +362,67 @@ def plan_flat_buffers(
             raise ValueError(f"parameter {spec.name!r} appears twice")
         seen.add(spec.name)
         groups.setdefault(spec.dtype, []).append(spec)
-    return {dtype: _plan_one(dtype, specs, num_ranks, w) for dtype, specs in groups.items()}
+    return {
+        dtype: _plan_one(dtype, specs, num_ranks, w, order == "auto")
+        for dtype, specs in groups.items()
+    }
+
+
+_ORDERS = ("given", "auto")
+
+
+def _candidate_orders(sizes: list[int], steps: list[int]) -> list[list[int]]:
+    """Orders tried by ``order="auto"`` (the given one first).
+
+    Coarse units first, by unit then size (one-element-unit parameters first or last),
+    and by size alone: parameters of one unit then sit on that unit's grid from the
+    buffer start, so fewer of them need padding to hold a cut.
+    """
+    idx = range(len(sizes))
+
+    def unit(i: int) -> int:
+        return steps[i] if sizes[i] > 1 else 1
+
+    out = [list(idx)]
+    out.append(sorted(idx, key=lambda i: (unit(i) == 1, -unit(i), -sizes[i], i)))
+    out.append(sorted(idx, key=lambda i: (-sizes[i], i)))
+    out.append(sorted(idx, key=lambda i: (unit(i) != 1, -unit(i), -sizes[i], i)))
+    return out
 
 
 def _plan_one(
-    dtype: torch.dtype, specs: list[ParamSpec], n: int, weights: list[float] | None
+    dtype: torch.dtype,
+    specs: list[ParamSpec],
+    n: int,
+    weights: list[float] | None,
+    reorder: bool = False,
 ) -> FlatLayout:
     sizes = [math.prod(s.shape) for s in specs]
     rules = [_cut_rule(s.shape, s.granularity) for s in specs]
     steps = [max(step, 1) for _, step in rules]
-    if weights is None:
+    if weights is not None:
+        offsets, ranges = _layout_weighted(sizes, steps, n, weights)
+    elif not reorder:
         offsets, ranges = _layout_even(sizes, steps, n)
     else:
-        offsets, ranges = _layout_weighted(sizes, steps, n, weights)
+        best = None
+        for perm in _candidate_orders(sizes, steps):
+            p_sizes = [sizes[i] for i in perm]
+            p_offsets, p_ranges = _layout_even(p_sizes, [steps[i] for i in perm], n)
+            key = _even_key(p_offsets, p_ranges, p_sizes, [steps[i] for i in perm], n)
+            if best is None or key < best[0]:
+                best = (key, perm, p_offsets, p_ranges)
+            if key[1] <= 1.0001 and n * key[2] - sum(sizes) < n:
+                break  # as good as an even layout gets
+        _, perm, p_offsets, ranges = best
+        offsets = [0] * len(sizes)
+        for j, i in enumerate(perm):
+            offsets[i] = p_offsets[j]
+        order_ = sorted(range(len(specs)), key=lambda i: (offsets[i], perm.index(i)))
+        specs = [specs[i] for i in order_]
+        sizes = [sizes[i] for i in order_]
+        rules = [rules[i] for i in order_]
+        offsets = [offsets[i] for i in order_]
     starts = [a for a, _ in ranges]
     slots = []
     for spec, size, off, (k, _) in zip(specs, sizes, offsets, rules):
@@ -1067,6 +1123,18 @@ def _slice_spread(offsets: list[int], sizes: list[int], s: int, n: int) -> float
     return math.inf if lo == 0 else (s - min(pads)) / lo
 
 
+def _even_key(
+    offsets: list[int], ranges: list[tuple[int, int]], sizes: list[int], steps: list[int], n: int
+) -> tuple[bool, float, int]:
+    """Rank of an even layout: within ``(N - 1) * G`` padding first, then ``max / min``, then ``S``."""
+    s = ranges[0][1] - ranges[0][0]
+    if s == 0:
+        return (False, 1.0, 0)
+    g = max((st for st, size in zip(steps, sizes) if size > 1), default=1)
+    over = n * s - sum(sizes) > (n - 1) * g
+    return (over, _slice_spread(offsets, sizes, s, n), s)
+
+
 def _layout_even(
     sizes: list[int], steps: list[int], n: int
 ) -> tuple[list[int], list[tuple[int, int]]]:
@@ -1076,20 +1144,15 @@ def _layout_even(
     fast, balances well while slices hold many units) and padding placement
     (:func:`_layout_even_pads`: the least ``S``, and every rank loaded when coarse
     units make cut placement give up). The second runs only when the first ends above
-    ``1 + 1/1000`` ``max / min``; the better ``max / min`` wins (then the less padding).
+    ``1 + 1/1000`` ``max / min`` or above ``(N - 1) * G`` padding; then the layout
+    within that padding wins, then the better ``max / min``, then the shorter slices.
     """
-    offsets, ranges = _layout_even_cuts(sizes, steps, n)
-    s = ranges[0][1] - ranges[0][0]
-    if s == 0:
-        return offsets, ranges
-    spread = _slice_spread(offsets, sizes, s, n)
-    if spread <= 1.001:
-        return offsets, ranges
-    offsets2, ranges2 = _layout_even_pads(sizes, steps, n)
-    s2 = ranges2[0][1] - ranges2[0][0]
-    if (_slice_spread(offsets2, sizes, s2, n), s2) < (spread, s):
-        return offsets2, ranges2
-    return offsets, ranges
+    cuts = _layout_even_cuts(sizes, steps, n)
+    key = _even_key(*cuts, sizes, steps, n)
+    if not key[0] and key[1] <= 1.001:
+        return cuts
+    pads = _layout_even_pads(sizes, steps, n)
+    return pads if _even_key(*pads, sizes, steps, n) < key else cuts
 
 
 def _layout_weighted(
@@ -1130,6 +1193,7 @@ def layouts_from_tensors(
     *,
     granularity: Granularity | Mapping[str, Granularity] = "element",
     weights: Sequence[float] | None = None,
+    order: str = "given",
 ) -> dict[torch.dtype, FlatLayout]:
     """:func:`plan_flat_buffers` for named tensors (e.g. ``model.named_parameters()``).
 
@@ -1139,13 +1203,14 @@ def layouts_from_tensors(
         granularity: One granularity for all, or a ``name -> granularity`` mapping
             (missing names get ``"element"``).
         weights: Optional per-rank weights.
+        order: ``"given"`` or ``"auto"`` (see :func:`plan_flat_buffers`).
     """
     items = named.items() if isinstance(named, Mapping) else named
     specs = []
     for name, t in items:
         g = granularity.get(name, "element") if isinstance(granularity, Mapping) else granularity
         specs.append(ParamSpec.from_tensor(name, t, g))
-    return plan_flat_buffers(specs, num_ranks, weights=weights)
+    return plan_flat_buffers(specs, num_ranks, weights=weights, order=order)
 
 
 __all__ += ["layouts_from_tensors"]
