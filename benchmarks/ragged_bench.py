@@ -4,8 +4,9 @@ Run: ``OMP_NUM_THREADS=1 python benchmarks/ragged_bench.py [--quick]``
 
 Prints one table: pack and unpack time of the selected kernels (and of the other
 torch strategies measured) against one ``torch.cat`` and one memcpy of the same
-bytes (ratio = kernel time / memcpy time), and planner time for 100, 1,000 and
-10,000 parameters.
+bytes (ratio = kernel time / memcpy time), and planner time and quality for 100, 1,000
+and 10,000 parameters (random shapes) and GPT-2 small, in the given order and with
+``order="auto"``.
 """
 
 from __future__ import annotations
@@ -95,16 +96,40 @@ def _specs(count: int, seed: int = 0) -> list[ParamSpec]:
     return out
 
 
+def _gpt2_small(gran) -> list[ParamSpec]:
+    """GPT-2 small's parameter shapes (124 M): 2-D weights get ``gran``, the rest elements."""
+    d, shapes = 768, [("wte", (50257, 768)), ("wpe", (1024, 768))]
+    for i in range(12):
+        shapes += [
+            (f"h{i}.ln_1.weight", (d,)),
+            (f"h{i}.ln_1.bias", (d,)),
+            (f"h{i}.attn.c_attn.weight", (d, 3 * d)),
+            (f"h{i}.attn.c_attn.bias", (3 * d,)),
+            (f"h{i}.attn.c_proj.weight", (d, d)),
+            (f"h{i}.attn.c_proj.bias", (d,)),
+            (f"h{i}.ln_2.weight", (d,)),
+            (f"h{i}.ln_2.bias", (d,)),
+            (f"h{i}.mlp.c_fc.weight", (d, 4 * d)),
+            (f"h{i}.mlp.c_fc.bias", (4 * d,)),
+            (f"h{i}.mlp.c_proj.weight", (4 * d, d)),
+            (f"h{i}.mlp.c_proj.bias", (d,)),
+        ]
+    shapes += [("ln_f.weight", (d,)), ("ln_f.bias", (d,))]
+    return [ParamSpec(n, s, torch.float32, gran if len(s) == 2 else "element") for n, s in shapes]
+
+
 def bench_planner(repeat: int) -> list[tuple[str, ...]]:
     rows = []
-    for count in (100, 1_000, 10_000):
-        specs = _specs(count)
+    cases = [(f"{c} params", _specs(c)) for c in (100, 1_000, 10_000)]
+    cases += [("GPT-2 row", _gpt2_small("row")), ("GPT-2 (32,32)", _gpt2_small((32, 32)))]
+    for label, specs in cases:
         for n in (8, 64):
-            t = _time(lambda s=specs, k=n: plan_flat_buffers(s, k), repeat)
-            layouts = plan_flat_buffers(specs, n)
-            imb = max(l.imbalance() for l in layouts.values())
-            pad = sum(l.padding for l in layouts.values())
-            rows.append((f"{count} params", f"N={n}", f"{t * 1e3:.1f}", f"{imb:.6f}", str(pad)))
+            for order in ("given", "auto"):
+                t = _time(lambda s=specs, k=n, o=order: plan_flat_buffers(s, k, order=o), repeat)
+                layouts = plan_flat_buffers(specs, n, order=order)
+                imb = max(l.imbalance() for l in layouts.values())
+                pad = sum(l.padding for l in layouts.values())
+                rows.append((label, f"N={n}", order, f"{t * 1e3:.1f}", f"{imb:.6f}", str(pad)))
     return rows
 
 
@@ -137,14 +162,14 @@ def main() -> None:
                 target="≈ 1 (memory bound)",
             )
     print()
-    header = ("planner", "ranks", "ms", "max/min load", "padding (elements)")
+    header = ("planner", "ranks", "order", "ms", "max/min load", "padding (elements)")
     rows = bench_planner(max(1, repeat // 3))
     for r in rows:
         emit(
             "ragged planner",
-            f"{r[0]}, {r[1]}",
+            f"{r[0]}, {r[1]}, order={r[2]}",
             "max/min rank load (padding elements)",
-            f"{float(r[3]):.4f} ({int(r[4]):,})",
+            f"{float(r[4]):.4f} ({int(r[5]):,})",
             None,
             target="load ≈ 1",
         )

@@ -859,8 +859,8 @@ class _Even:
     their start; the others may start anywhere.
     """
 
-    #: ``least_pads`` steps the exhaustive search for ``S`` may spend (~0.1 s).
-    SEARCH_BUDGET = 40_000
+    #: ``least_pads`` steps the exhaustive search for ``S`` may spend (~50 ms).
+    SEARCH_BUDGET = 15_000
 
     def __init__(self, sizes: list[int], steps: list[int], n: int) -> None:
         self.n = n
