@@ -173,6 +173,26 @@ def _hang_on_rank_zero():
         time.sleep(600)
 
 
+def _segfault_on_rank_one():
+    if dist.get_rank() == 1:
+        import ctypes
+
+        ctypes.string_at(0)  # reads address 0: SIGSEGV in native code
+    dist.all_reduce(torch.ones(1))
+
+
+def test_native_crash_reports_the_python_stack():
+    # faulthandler in the workers: the report of a rank killed by a signal shows the
+    # exit code and where in Python it crashed (all threads)
+    with pytest.raises(RankFailure) as info:
+        run_on_ranks(_segfault_on_rank_one, 2, timeout=30)
+    msg = str(info.value)
+    assert 1 in info.value.failed_ranks  # rank 0 may fail too: its peer's socket closed
+    assert "exited with code -11" in msg
+    assert "Segmentation fault" in msg and "_segfault_on_rank_one" in msg
+    assert run_on_ranks(_all_reduce_body, 2, 1)[0][2] == 3.0
+
+
 def test_hang_becomes_timeout_failure_and_pool_recovers():
     start = time.monotonic()
     with pytest.raises(RankFailure) as info:

@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import atexit
 import contextlib
+import faulthandler
 import multiprocessing as mp
 import os
 import pickle
@@ -100,6 +101,9 @@ def _worker_main(
     """Entry point of one pool worker (runs in a spawned process)."""
     os.environ["OMP_NUM_THREADS"] = "1"
     _redirect_output(log_path)
+    # A crash in native code (SIGSEGV, SIGABRT, ...) dumps every thread's Python stack
+    # into the rank's log, which the failure report of the task includes.
+    faulthandler.enable(file=sys.stderr, all_threads=True)
     try:
         import torch
         import torch.distributed as dist

@@ -40,8 +40,9 @@ def run_torchrun(
 ) -> subprocess.CompletedProcess:
     """Run ``python -m torch.distributed.run --standalone --nproc-per-node N ...``.
 
-    ``OMP_NUM_THREADS=1`` is set for the launched ranks. The whole process
-    tree runs in its own session and is killed on timeout.
+    ``OMP_NUM_THREADS=1`` (and ``PYTHONFAULTHANDLER=1`` unless set) is set for the
+    launched ranks. The whole process tree runs in its own session and is killed on
+    timeout.
 
     Args:
         script_or_module_args: What follows the launcher options, e.g.
@@ -71,6 +72,7 @@ def run_torchrun(
     ]
     full_env = dict(os.environ)
     full_env["OMP_NUM_THREADS"] = "1"
+    full_env.setdefault("PYTHONFAULTHANDLER", "1")  # a native crash prints the Python stack
     if env:
         full_env.update(env)
     proc = subprocess.Popen(
