@@ -427,16 +427,17 @@ def test_pads_planner_layouts_are_valid_and_never_pad_more(params, n):
 
 
 # GPT-2 small with order="auto" (the planner may reorder each buffer): the padding
-# stays within (N - 1) * G in every case, and max/min reaches 1 + 1/1000 wherever a
-# slice holds many units.
+# stays within (N - 1) * G in every case, and max/min reaches 1 + 1/1000 except for
+# (32, 32) blocks on 64 ranks (a slice holds ~20 units of c_fc).
 GPT2_AUTO_CASES = {
-    ("row", 2): 1.00002,
+    ("row", 2): 1.00001,
+    ("row", 4): 1.00002,
     ("row", 8): 1.0001,
     ("row", 64): 1.001,  # given order: 1.0036 with 209,664 padding (> 63 * 3072)
-    ((32, 32), 2): 1.0002,
-    ((32, 32), 4): 1.0005,
-    ((32, 32), 8): 1.0035,
-    ((32, 32), 64): 1.04,
+    ((32, 32), 2): 1.00001,
+    ((32, 32), 4): 1.0003,
+    ((32, 32), 8): 1.001,  # given order: 1.0048
+    ((32, 32), 64): 1.03,  # given order: 1.157
 }
 
 
@@ -481,3 +482,33 @@ def test_padding_within_bound_when_cut_placement_overshoots():
     layout = plan_flat_buffers(specs, 4)[torch.float32]
     assert layout.padding == 4 <= 3 * 4
     _check_layout(layout, specs, 4, weighted=False)
+
+
+@settings(max_examples=200, deadline=None, database=None)
+@given(
+    params=st.lists(st.tuples(st.integers(0, 400), st.integers(1, 50)), min_size=1, max_size=12),
+    n=st.integers(1, 9),
+)
+def test_bridged_order_is_a_permutation(params, n):
+    sizes = [size for size, _ in params]
+    steps = [step for _, step in params]
+    order = _planner._bridged_order(sizes, steps, n)
+    if order is not None:
+        assert sorted(order) == list(range(len(sizes)))
+
+
+def test_bridged_order_puts_a_fine_parameter_across_each_cut():
+    # four 4x30 "row" matrices and four 5-element vectors on 2 ranks: D = 500; in the
+    # given order the cut at 250 falls 10 elements into a 30-wide row, so the given
+    # order pads; the bridged order fills up to 250 with vectors: no padding
+    specs = [ParamSpec(f"w{i}", (4, 30), torch.float32, "row") for i in range(4)]
+    specs += [ParamSpec(f"b{i}", (5,), torch.float32) for i in range(4)]
+    given = plan_flat_buffers(specs, 2)[torch.float32]
+    auto = plan_flat_buffers(specs, 2, order="auto")[torch.float32]
+    assert given.padding > 0
+    assert auto.padding == 0 and auto.imbalance() == 1.0
+    cut = auto.rank_ranges[1][0]
+    holder = [p.name for p in auto.params if p.offset < cut < p.stop]
+    assert holder in ([], ["b0"], ["b1"], ["b2"], ["b3"])
+    by_name = {s.name: s for s in specs}
+    _check_layout(auto, [by_name[name] for name in auto.names], 2, weighted=False)

@@ -23,7 +23,7 @@ Two layouts:
   finds the least ``S`` any even layout of the parameters in this order has (an exact
   greedy on the padding in front of each parameter) and spreads the padding over the
   slices; the better ``max / min`` wins. With ``order="auto"`` the planner also tries
-  sorted orders of each buffer's parameters (:func:`_candidate_orders`).
+  other orders of each buffer's parameters (:func:`_candidate_orders`).
 * **weighted** (``weights`` not all equal): rank ``r`` holds about
   ``weights[r] / sum(weights)`` of the data; no padding at all. Slices have
   different lengths, so gathering them takes one broadcast per rank.
@@ -329,8 +329,9 @@ def plan_flat_buffers(
             with slices proportional to the weights.
         order: ``"given"`` keeps every buffer in the order of ``params``; ``"auto"``
             lets the planner reorder each even buffer's parameters (it tries the given
-            order and a few sorted ones and keeps the best ``max / min`` rank load,
-            then the least padding). :attr:`FlatLayout.params` is in buffer order.
+            order, a bridged order and three sorted ones, and keeps the layout within
+            ``(N - 1) * G`` padding, then the best ``max / min`` rank load, then the
+            shortest slices). :attr:`FlatLayout.params` is in buffer order.
 
     Returns:
         A :class:`FlatLayout` per dtype, in order of first appearance.
@@ -371,10 +372,11 @@ def plan_flat_buffers(
 _ORDERS = ("given", "auto")
 
 
-def _candidate_orders(sizes: list[int], steps: list[int]) -> list[list[int]]:
+def _candidate_orders(sizes: list[int], steps: list[int], n: int) -> list[list[int]]:
     """Orders tried by ``order="auto"`` (the given one first).
 
-    Coarse units first, by unit then size (one-element-unit parameters first or last),
+    The bridged order (:func:`_bridged_order`, a fine parameter across every cut);
+    coarse units first, by unit then size (one-element-unit parameters first or last),
     and by size alone: parameters of one unit then sit on that unit's grid from the
     buffer start, so fewer of them need padding to hold a cut.
     """
@@ -384,10 +386,97 @@ def _candidate_orders(sizes: list[int], steps: list[int]) -> list[list[int]]:
         return steps[i] if sizes[i] > 1 else 1
 
     out = [list(idx)]
+    bridged = _bridged_order(sizes, steps, n)
+    if bridged is not None:
+        out.append(bridged)
     out.append(sorted(idx, key=lambda i: (unit(i) == 1, -unit(i), -sizes[i], i)))
     out.append(sorted(idx, key=lambda i: (-sizes[i], i)))
     out.append(sorted(idx, key=lambda i: (unit(i) != 1, -unit(i), -sizes[i], i)))
     return out
+
+
+def _bridged_order(sizes: list[int], steps: list[int], n: int) -> list[int] | None:
+    """An order that puts a one-element-unit parameter across every even-share cut.
+
+    Walks the targets ``r * ceil(D / N)``: fills each stretch with the largest coarse
+    parameters that fit, then with fine (one-element-unit) ones, and lets a fine one
+    straddle the target, so the cut can fall exactly there. A coarse parameter that has
+    to straddle a target gets fine ones in front of it (when they sum exactly to the
+    shift needed) so that the target falls on one of its unit boundaries. ``None`` when
+    there are no fine or no coarse parameters.
+    """
+    fine = sorted(
+        (i for i, l in enumerate(sizes) if l > 0 and (l == 1 or steps[i] == 1)),
+        key=lambda i: -sizes[i],
+    )
+    coarse = sorted(
+        (i for i, l in enumerate(sizes) if l > 1 and steps[i] > 1), key=lambda i: -sizes[i]
+    )
+    if not fine or not coarse or n < 2:
+        return None
+    zero = [i for i, l in enumerate(sizes) if l == 0]
+    share = -(-sum(sizes) // n)
+    # parameters longer than two slices hold two cuts anywhere: S is a multiple of their unit
+    forced = math.lcm(1, *(steps[i] for i in coarse if sizes[i] > 2 * share))
+    share = -(-share // forced) * forced
+    order: list[int] = []
+    pos = 0
+    r = 1
+
+    def take_fine(room: int) -> None:
+        """Largest-first fine parameters that fit in ``room`` (in place)."""
+        nonlocal pos
+        k = 0
+        while k < len(fine) and room > 0:
+            if sizes[fine[k]] <= room:
+                i = fine.pop(k)
+                order.append(i)
+                pos += sizes[i]
+                room -= sizes[i]
+            else:
+                k += 1
+
+    while coarse:
+        target = r * share
+        if r >= n:
+            order.extend(coarse)
+            coarse.clear()
+            break
+        fit = next((k for k, i in enumerate(coarse) if pos + sizes[i] <= target), None)
+        if sizes[coarse[0]] > share:
+            fit = None  # long parameters go first: they hold cuts wherever they are
+        if fit is not None:
+            i = coarse.pop(fit)
+            order.append(i)
+            pos += sizes[i]
+        else:
+            gap = target - pos
+            if sizes[coarse[0]] <= share and sum(sizes[i] for i in fine) > gap:
+                take_fine(gap)
+                if pos < target and fine:  # the smallest fine one straddles the target
+                    i = fine.pop()
+                    order.append(i)
+                    pos += sizes[i]
+            else:
+                i = coarse.pop(0)
+                shift = gap % steps[i]
+                acc, chosen = 0, []  # fine parameters that cover the shift exactly
+                for f in fine:
+                    if acc + sizes[f] <= shift:
+                        acc += sizes[f]
+                        chosen.append(f)
+                if acc == shift:
+                    for f in chosen:
+                        fine.remove(f)
+                        order.append(f)
+                        pos += sizes[f]
+                order.append(i)
+                pos += sizes[i]
+        while r < n and r * share <= pos:
+            r += 1
+    order.extend(fine)
+    order.extend(zero)
+    return order
 
 
 def _plan_one(
@@ -406,7 +495,7 @@ def _plan_one(
         offsets, ranges = _layout_even(sizes, steps, n)
     else:
         best = None
-        for perm in _candidate_orders(sizes, steps):
+        for perm in _candidate_orders(sizes, steps, n):
             p_sizes = [sizes[i] for i in perm]
             p_offsets, p_ranges = _layout_even(p_sizes, [steps[i] for i in perm], n)
             key = _even_key(p_offsets, p_ranges, p_sizes, [steps[i] for i in perm], n)
