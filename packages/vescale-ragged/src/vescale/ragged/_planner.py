@@ -495,14 +495,32 @@ def _plan_one(
         offsets, ranges = _layout_even(sizes, steps, n)
     else:
         best = None
-        for perm in _candidate_orders(sizes, steps, n):
+        cuts_best = None
+        perfect = False
+        # cut placement for every candidate order; padding placement (slower) only for
+        # the given order and the best of the others
+        for k, perm in enumerate(_candidate_orders(sizes, steps, n)):
             p_sizes = [sizes[i] for i in perm]
-            p_offsets, p_ranges = _layout_even(p_sizes, [steps[i] for i in perm], n)
-            key = _even_key(p_offsets, p_ranges, p_sizes, [steps[i] for i in perm], n)
+            p_steps = [steps[i] for i in perm]
+            layout = _layout_even(p_sizes, p_steps, n) if k == 0 else None
+            if layout is None:
+                layout = _layout_even_cuts(p_sizes, p_steps, n)
+            key = _even_key(*layout, p_sizes, p_steps, n)
             if best is None or key < best[0]:
-                best = (key, perm, p_offsets, p_ranges)
+                best = (key, perm, *layout)
+            if k and (cuts_best is None or key < cuts_best[0]):
+                cuts_best = (key, perm)
             if key[1] <= 1.0001 and n * key[2] - sum(sizes) < n:
+                perfect = True
                 break  # as good as an even layout gets
+        if not perfect and cuts_best is not None:
+            perm = cuts_best[1]
+            p_sizes = [sizes[i] for i in perm]
+            p_steps = [steps[i] for i in perm]
+            layout = _layout_even(p_sizes, p_steps, n)
+            key = _even_key(*layout, p_sizes, p_steps, n)
+            if key < best[0]:
+                best = (key, perm, *layout)
         _, perm, p_offsets, ranges = best
         offsets = [0] * len(sizes)
         for j, i in enumerate(perm):
