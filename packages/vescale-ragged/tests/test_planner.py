@@ -337,6 +337,16 @@ def test_unknown_name_lookup():
         layout["x"]
 
 
+def sizes_and_steps(max_size: int, max_step: int, max_len: int, min_size: int = 0):
+    """Hypothesis strategy: parallel lists of parameter sizes and units (in elements)."""
+    pairs = st.lists(
+        st.tuples(st.integers(min_size, max_size), st.integers(1, max_step)),
+        min_size=1,
+        max_size=max_len,
+    )
+    return pairs.map(lambda ps: ([s for s, _ in ps], [g for _, g in ps]))
+
+
 def _fits_by_search(sizes: list[int], steps: list[int], n: int, s: int) -> bool:
     """Whether any even layout with slices of ``s`` exists (depth-first over all paddings)."""
     p = n * s - sum(sizes)
@@ -368,7 +378,7 @@ def test_pads_planner_finds_the_least_slice_length(params, n):
     sizes = [r * w for r, w in params]
     steps = [w for _, w in params]
     plan = _planner._Even(sizes, steps, n)
-    s, pads, exact = plan.slice_length()
+    s, _, exact = plan.slice_length()
     assert exact
     assert _fits_by_search(sizes, steps, n, s)
     for shorter in range(-(-sum(sizes) // n), s):
@@ -400,15 +410,11 @@ def test_coarse_blocks_on_many_ranks_load_every_rank():
 
 
 @settings(max_examples=300, deadline=None, database=None)
-@given(
-    params=st.lists(st.tuples(st.integers(0, 40), st.integers(1, 30)), min_size=1, max_size=8),
-    n=st.integers(1, 6),
-)
-def test_pads_planner_layouts_are_valid_and_never_pad_more(params, n):
+@given(layout=sizes_and_steps(40, 30, 8), n=st.integers(1, 6))
+def test_pads_planner_layouts_are_valid_and_never_pad_more(layout, n):
     # padding placement on its own: parameters disjoint and in order inside N * S, every
     # cut inside a parameter on its grid, and never more padding than cut placement
-    sizes = [size for size, _ in params]
-    steps = [step for _, step in params]
+    sizes, steps = layout
     if sum(sizes) == 0:
         return
     offsets, ranges = _planner._layout_even_pads(sizes, steps, n)
@@ -485,13 +491,9 @@ def test_padding_within_bound_when_cut_placement_overshoots():
 
 
 @settings(max_examples=200, deadline=None, database=None)
-@given(
-    params=st.lists(st.tuples(st.integers(0, 400), st.integers(1, 50)), min_size=1, max_size=12),
-    n=st.integers(1, 9),
-)
-def test_bridged_order_is_a_permutation(params, n):
-    sizes = [size for size, _ in params]
-    steps = [step for _, step in params]
+@given(layout=sizes_and_steps(400, 50, 12), n=st.integers(1, 9))
+def test_bridged_order_is_a_permutation(layout, n):
+    sizes, steps = layout
     order = _planner._bridged_order(sizes, steps, n)
     if order is not None:
         assert sorted(order) == list(range(len(sizes)))

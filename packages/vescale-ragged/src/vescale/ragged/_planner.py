@@ -19,11 +19,13 @@ Two layouts:
   hold two cuts (1 if none; see :func:`_layout_even_cuts`), so ``(N - 1) * G`` when
   ``L = 1``. Two planners (:func:`_layout_even`): *cut placement* puts the cuts at the
   unit boundaries nearest an even split (fast; balanced while slices hold many units);
-  when it ends above ``1 + 1/1000`` ``max / min``, *padding placement* also runs: it
-  finds the least ``S`` any even layout of the parameters in this order has (an exact
-  greedy on the padding in front of each parameter) and spreads the padding over the
-  slices; the better ``max / min`` wins. With ``order="auto"`` the planner also tries
-  other orders of each buffer's parameters (:func:`_candidate_orders`).
+  when it ends above ``1 + 1/1000`` ``max / min`` or above ``(N - 1) * G`` padding,
+  *padding placement* also runs: it finds the least ``S`` any even layout of the
+  parameters in this order has (an exact greedy on the padding in front of each
+  parameter) and spreads the padding over the slices. The layout within
+  ``(N - 1) * G`` padding wins, then the better ``max / min``, then the shorter slices.
+  With ``order="auto"`` the planner also tries other orders of each buffer's
+  parameters (:func:`_candidate_orders`).
 * **weighted** (``weights`` not all equal): rank ``r`` holds about
   ``weights[r] / sum(weights)`` of the data; no padding at all. Slices have
   different lengths, so gathering them takes one broadcast per rank.
@@ -372,6 +374,12 @@ def plan_flat_buffers(
 _ORDERS = ("given", "auto")
 
 
+def _is_tight(size: int, step: int) -> bool:
+    """Whether a parameter constrains where a cut may fall (more than one element and a
+    unit above one element); the others ("fine") may be cut anywhere."""
+    return size > 1 and step > 1
+
+
 def _candidate_orders(sizes: list[int], steps: list[int], n: int) -> list[list[int]]:
     """Orders tried by ``order="auto"`` (the given one first).
 
@@ -383,7 +391,7 @@ def _candidate_orders(sizes: list[int], steps: list[int], n: int) -> list[list[i
     idx = range(len(sizes))
 
     def unit(i: int) -> int:
-        return steps[i] if sizes[i] > 1 else 1
+        return steps[i] if _is_tight(sizes[i], steps[i]) else 1
 
     out = [list(idx)]
     bridged = _bridged_order(sizes, steps, n)
@@ -398,20 +406,17 @@ def _candidate_orders(sizes: list[int], steps: list[int], n: int) -> list[list[i
 def _bridged_order(sizes: list[int], steps: list[int], n: int) -> list[int] | None:
     """An order that puts a one-element-unit parameter across every even-share cut.
 
-    Walks the targets ``r * ceil(D / N)``: fills each stretch with the largest coarse
-    parameters that fit, then with fine (one-element-unit) ones, and lets a fine one
-    straddle the target, so the cut can fall exactly there. A coarse parameter that has
-    to straddle a target gets fine ones in front of it (when they sum exactly to the
-    shift needed) so that the target falls on one of its unit boundaries. ``None`` when
-    there are no fine or no coarse parameters.
+    Walks the targets ``r * S`` (``S``: ``ceil(D / N)`` rounded up to the unit of every
+    parameter longer than two slices): places the parameters longer than a slice first,
+    then fills each stretch with the largest coarse parameters that fit, then with fine
+    (one-element-unit) ones, and lets a fine one straddle the target, so the cut can fall
+    exactly there. A coarse parameter that has to straddle a target gets fine ones in
+    front of it (when they sum exactly to the shift needed) so that the target falls on
+    one of its unit boundaries. ``None`` when there are no fine or no coarse parameters.
     """
-    fine = sorted(
-        (i for i, l in enumerate(sizes) if l > 0 and (l == 1 or steps[i] == 1)),
-        key=lambda i: -sizes[i],
-    )
-    coarse = sorted(
-        (i for i, l in enumerate(sizes) if l > 1 and steps[i] > 1), key=lambda i: -sizes[i]
-    )
+    tight = [_is_tight(l, g) for l, g in zip(sizes, steps)]
+    fine = sorted((i for i, l in enumerate(sizes) if l and not tight[i]), key=lambda i: -sizes[i])
+    coarse = sorted((i for i in range(len(sizes)) if tight[i]), key=lambda i: -sizes[i])
     if not fine or not coarse or n < 2:
         return None
     zero = [i for i, l in enumerate(sizes) if l == 0]
@@ -442,16 +447,19 @@ def _bridged_order(sizes: list[int], steps: list[int], n: int) -> list[int] | No
             order.extend(coarse)
             coarse.clear()
             break
-        fit = next((k for k, i in enumerate(coarse) if pos + sizes[i] <= target), None)
-        if sizes[coarse[0]] > share:
-            fit = None  # long parameters go first: they hold cuts wherever they are
+        long = sizes[coarse[0]] > share  # long parameters go first: they hold cuts anyway
+        fit = (
+            None
+            if long
+            else next((k for k, i in enumerate(coarse) if pos + sizes[i] <= target), None)
+        )
         if fit is not None:
             i = coarse.pop(fit)
             order.append(i)
             pos += sizes[i]
         else:
             gap = target - pos
-            if sizes[coarse[0]] <= share and sum(sizes[i] for i in fine) > gap:
+            if not long and sum(sizes[i] for i in fine) > gap:
                 take_fine(gap)
                 if pos < target and fine:  # the smallest fine one straddles the target
                     i = fine.pop()
@@ -522,14 +530,11 @@ def _plan_one(
             if key < best[0]:
                 best = (key, perm, *layout)
         _, perm, p_offsets, ranges = best
-        offsets = [0] * len(sizes)
-        for j, i in enumerate(perm):
-            offsets[i] = p_offsets[j]
-        order_ = sorted(range(len(specs)), key=lambda i: (offsets[i], perm.index(i)))
-        specs = [specs[i] for i in order_]
-        sizes = [sizes[i] for i in order_]
-        rules = [rules[i] for i in order_]
-        offsets = [offsets[i] for i in order_]
+        # slots in buffer order: the chosen order (empty parameters keep their place)
+        specs = [specs[i] for i in perm]
+        sizes = [sizes[i] for i in perm]
+        rules = [rules[i] for i in perm]
+        offsets = p_offsets
     starts = [a for a, _ in ranges]
     slots = []
     for spec, size, off, (k, _) in zip(specs, sizes, offsets, rules):
@@ -979,7 +984,7 @@ class _Even:
             self.x.append(pos)
             pos += size
         self.d = pos
-        self.tight = [i for i, (l, g) in enumerate(zip(sizes, steps)) if l > 1 and g > 1]
+        self.tight = [i for i, (l, g) in enumerate(zip(sizes, steps)) if _is_tight(l, g)]
         self.tight_xlg = [(self.x[i], sizes[i], steps[i]) for i in self.tight]
         self.work = 0
 
@@ -1134,15 +1139,7 @@ class _Even:
 
     def slice_padding(self, s: int, pads: list[int]) -> list[int]:
         """Padding elements in every rank slice."""
-        out = [s] * self.n
-        for x, size, pi in zip(self.x, self.sizes, pads):
-            a, b = x + pi, x + pi + size
-            while a < b:
-                r = a // s
-                e = min(b, (r + 1) * s)
-                out[r] -= e - a
-                a = e
-        return out
+        return _slice_pads(self.offsets(pads), self.sizes, s, self.n)
 
 
 def _layout_even_pads(
@@ -1160,9 +1157,11 @@ def _layout_even_pads(
     ``S1`` and each needs less than ``G`` padding in front, so the padding is at most
     ``(N - 1) * G + N * (L - 1)``, i.e. ``(N - 1) * G`` when ``L = 1``.
 
-    The padding is then spread so the cumulative padding follows a straight line over
-    the buffer (rank loads are ``S`` minus the slice's padding); slices inside a
-    parameter longer than ``S`` take none, so the line skips them.
+    The padding is then spread over the slices (rank loads are ``S`` minus the slice's
+    padding): the cumulative padding follows a straight line over the buffer (slices
+    inside a parameter longer than ``S`` take none, so one line skips them), and when
+    that leaves a slice well above its share, a greedy fill is bisected on the largest
+    slice padding; the layout with the least largest slice padding wins.
     """
     plan = _Even(sizes, steps, n)
     d = plan.d
@@ -1216,8 +1215,8 @@ def _layout_even_pads(
     return plan.offsets(best), [(r * s, (r + 1) * s) for r in range(n)]
 
 
-def _slice_spread(offsets: list[int], sizes: list[int], s: int, n: int) -> float:
-    """``max / min`` of the rank loads of an even layout (``inf`` if a rank holds nothing)."""
+def _slice_pads(offsets: list[int], sizes: list[int], s: int, n: int) -> list[int]:
+    """Padding elements in every rank slice of an even layout with slices of ``s``."""
     pads = [s] * n
     for off, size in zip(offsets, sizes):
         a, b = off, off + size
@@ -1226,6 +1225,12 @@ def _slice_spread(offsets: list[int], sizes: list[int], s: int, n: int) -> float
             e = min(b, (r + 1) * s)
             pads[r] -= e - a
             a = e
+    return pads
+
+
+def _slice_spread(offsets: list[int], sizes: list[int], s: int, n: int) -> float:
+    """``max / min`` of the rank loads of an even layout (``inf`` if a rank holds nothing)."""
+    pads = _slice_pads(offsets, sizes, s, n)
     lo = s - max(pads)
     return math.inf if lo == 0 else (s - min(pads)) / lo
 
