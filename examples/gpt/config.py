@@ -1,18 +1,21 @@
-"""The trainer's configuration: one dataclass tree, overridden from the command line.
+"""The trainer's configuration: one dataclass tree, read by ``jsonargparse``.
 
-Every field of every section is a flag ``--<section>.<field> VALUE``::
+Every field of every section is a flag ``--<section>.<field> VALUE``, and any subset of
+the tree can come from a YAML file with ``--config``::
 
     torchrun --standalone --nproc-per-node 4 examples/gpt/train.py \\
-        --model.n_layer 6 --parallel.tp 2 --optim.lr 1e-3 --train.steps 300
+        --config examples/gpt/configs/default.yaml --model.n_layer 6 --train.steps 300
 
-``--section.field=VALUE`` works too; a boolean flag given without a value means
-``true`` (``--parallel.sequence_parallel false`` turns one off). Shortcuts:
-``--data PATH`` is ``--data.path PATH`` and ``--resume`` is ``--checkpoint.resume``.
-``--help`` lists every flag with its default.
+Arguments apply left to right: a flag after ``--config`` overrides the file, a flag
+before it is overridden by it. ``--section.field=VALUE`` works too; a boolean flag
+given without a value means ``true`` (``--parallel.sequence_parallel false`` turns one
+off). Shortcuts: ``--data PATH`` is ``--data.path PATH`` and ``--resume`` is
+``--checkpoint.resume``. ``--help`` lists every flag with its default;
+``--print_config`` prints the resolved configuration as YAML (a config file) and exits.
 
-:func:`validate` checks the values against the world size **before** any
-process-group work, so a bad mesh or a tensor-parallel size that does not divide
-the heads fails at once, on every rank, with a clear message.
+``validate`` checks the values against the world size **before** any process-group
+work, so a bad mesh or a tensor-parallel size that does not divide the heads fails at
+once, on every rank, with a clear message.
 """
 
 from __future__ import annotations
@@ -20,8 +23,11 @@ from __future__ import annotations
 import dataclasses
 import difflib
 import json
+import sys
 import typing
+from argparse import ArgumentError
 from dataclasses import dataclass, field
+from typing import Literal
 
 __all__ = [
     "CheckpointConfig",
@@ -32,104 +38,189 @@ __all__ = [
     "OptimConfig",
     "ParallelConfig",
     "TrainConfig",
+    "build_parser",
+    "config_yaml",
     "format_config",
     "parse_args",
     "validate",
 ]
 
+PROG = "torchrun --standalone --nproc-per-node N examples/gpt/train.py"
+
 
 class ConfigError(ValueError):
-    """A bad flag or value; raised before any process group exists."""
-
-
-def _f(default, help: str):  # noqa: A002 - mirrors argparse's wording
-    return field(default=default, metadata={"help": help})
+    """A bad flag, config file or value; raised before any process group exists."""
 
 
 @dataclass
 class ModelConfig:
-    vocab_size: int = _f(256, "vocabulary size (256: raw bytes)")
-    block_size: int = _f(128, "context length in tokens")
-    n_layer: int = _f(4, "transformer blocks")
-    n_head: int = _f(4, "attention heads (parallel.tp must divide it)")
-    n_embd: int = _f(192, "model width (n_head must divide it)")
-    mlp_ratio: int = _f(4, "MLP hidden size / n_embd")
-    dropout: float = _f(0.0, "dropout probability (embeddings, attention, residuals)")
-    bias: bool = _f(True, "biases in linears and norms")
-    tie_embeddings: bool = _f(True, "share the token embedding with lm_head")
+    """The GPT's sizes.
+
+    Attributes:
+        vocab_size: vocabulary size (256: raw bytes)
+        block_size: context length in tokens
+        n_layer: transformer blocks
+        n_head: attention heads (parallel.tp must divide it)
+        n_embd: model width (n_head must divide it)
+        mlp_ratio: MLP hidden size / n_embd
+        dropout: dropout probability (embeddings, attention, residuals)
+        bias: biases in linears and norms
+        tie_embeddings: share the token embedding with lm_head
+    """
+
+    vocab_size: int = 256
+    block_size: int = 128
+    n_layer: int = 4
+    n_head: int = 4
+    n_embd: int = 192
+    mlp_ratio: int = 4
+    dropout: float = 0.0
+    bias: bool = True
+    tie_embeddings: bool = True
 
 
 @dataclass
 class ParallelConfig:
-    dp: int = _f(0, "data-parallel size; 0: world size / tp")
-    tp: int = _f(2, "tensor-parallel size (Megatron TP over the 'tp' mesh dim)")
-    sequence_parallel: bool = _f(True, "keep activations sequence-sharded between blocks (SP)")
-    vocab_parallel_loss: bool = _f(True, "cross-entropy on vocabulary-sharded logits (no gather)")
-    device: str = _f("auto", "auto | cpu | cuda (auto: cuda when available)")
-    data_parallel: str = _f(
-        "auto",
-        "auto | ddp | fsdp | trainer: DModule's data_parallel engine on 'dp' (auto: fsdp) "
-        "or the trainer's own gradient all-reduce",
-    )
-    tp_submesh: bool = _f(
-        True,
-        "when the trainer does data parallelism itself, parallelize on the 1-D 'tp' sub-mesh "
-        "(faster DTensor op planning) instead of the 2-D mesh",
-    )
+    """The (dp, tp) mesh and how the model is spread over it.
+
+    Attributes:
+        dp: data-parallel size; 0: world size / tp
+        tp: tensor-parallel size (Megatron TP over the 'tp' mesh dim)
+        sequence_parallel: keep activations sequence-sharded between blocks (SP)
+        vocab_parallel_loss: cross-entropy on vocabulary-sharded logits (no gather)
+        device: auto: cuda when available
+        data_parallel: DModule's data_parallel engine on 'dp' (auto: fsdp) or the
+            trainer's own gradient all-reduce
+        tp_submesh: when the trainer does data parallelism itself, parallelize on the
+            1-D 'tp' sub-mesh (faster DTensor op planning) instead of the 2-D mesh
+    """
+
+    dp: int = 0
+    tp: int = 2
+    sequence_parallel: bool = True
+    vocab_parallel_loss: bool = True
+    device: Literal["auto", "cpu", "cuda"] = "auto"
+    data_parallel: Literal["auto", "ddp", "fsdp", "trainer"] = "auto"
+    tp_submesh: bool = True
 
 
 @dataclass
 class OptimConfig:
-    name: str = _f("adamw", "adamw | muon (vescale.optim.Muon)")
-    lr: float = _f(3e-3, "peak learning rate (AdamW; Muon's AdamW part)")
-    muon_lr: float = _f(0.02, "peak learning rate of Muon's matrix updates")
-    min_lr_ratio: float = _f(0.1, "final lr of the cosine schedule, as a fraction of the peak")
-    warmup_steps: int = _f(15, "linear warmup steps")
-    weight_decay: float = _f(0.1, "decoupled weight decay (matrices only)")
-    beta1: float = _f(0.9, "Adam beta1")
-    beta2: float = _f(0.95, "Adam beta2")
-    eps: float = _f(1e-8, "Adam epsilon")
-    grad_clip: float = _f(1.0, "max global gradient norm; 0 disables clipping")
-    zero: bool = _f(False, "shard AdamW state over dp (vescale.optim.DistributedOptimizer)")
+    """Optimizer and learning-rate schedule.
+
+    Attributes:
+        name: AdamW (torch.optim.AdamW) or vescale.optim.Muon
+        lr: peak learning rate (AdamW; Muon's AdamW part)
+        muon_lr: peak learning rate of Muon's matrix updates
+        min_lr_ratio: final lr of the cosine schedule, as a fraction of the peak
+        warmup_steps: linear warmup steps
+        weight_decay: decoupled weight decay (matrices only)
+        beta1: Adam beta1
+        beta2: Adam beta2
+        eps: Adam epsilon
+        grad_clip: max global gradient norm; 0 disables clipping
+        zero: shard AdamW state over dp (vescale.optim.DistributedOptimizer)
+    """
+
+    name: Literal["adamw", "muon"] = "adamw"
+    lr: float = 3e-3
+    muon_lr: float = 0.02
+    min_lr_ratio: float = 0.1
+    warmup_steps: int = 15
+    weight_decay: float = 0.1
+    beta1: float = 0.9
+    beta2: float = 0.95
+    eps: float = 1e-8
+    grad_clip: float = 1.0
+    zero: bool = False
 
 
 @dataclass
 class DataConfig:
-    path: str = _f("", "text file or directory to train on; empty: the Python stdlib sources")
-    val_fraction: float = _f(0.05, "tail fraction of every document held out for evaluation")
-    max_bytes: int = _f(0, "read at most this many bytes of text (0: all)")
+    """The text to train on.
+
+    Attributes:
+        path: text file or directory to train on; empty: the Python stdlib sources
+        val_fraction: tail fraction of every document held out for evaluation
+        max_bytes: read at most this many bytes of text (0: all)
+    """
+
+    path: str = ""
+    val_fraction: float = 0.05
+    max_bytes: int = 0
 
 
 @dataclass
 class TrainConfig:
-    steps: int = _f(150, "optimizer steps (total, including resumed ones)")
-    batch_size: int = _f(16, "global batch in sequences per optimizer step")
-    grad_accum: int = _f(1, "micro-batches per optimizer step on each dp rank")
-    seed: int = _f(1337, "seed for init and data order")
-    dtype: str = _f("auto", "auto | fp32 | bf16 (autocast; auto: bf16 on CUDA, fp32 on CPU)")
-    log_interval: int = _f(10, "steps between log lines when there is no progress bar")
-    eval_interval: int = _f(50, "steps between held-out evaluations (0: only at the end)")
-    eval_batches: int = _f(4, "global batches per evaluation")
-    sample_tokens: int = _f(240, "bytes to generate per sample at the end (0: none)")
-    run_dir: str = _f("runs/gpt", "metrics, plot and checkpoints go here")
-    progress: bool = _f(True, "tqdm progress bar on rank 0 (when tqdm is installed and a TTY)")
+    """The loop, its logs and outputs.
+
+    Attributes:
+        steps: optimizer steps (total, including resumed ones)
+        batch_size: global batch in sequences per optimizer step
+        grad_accum: micro-batches per optimizer step on each dp rank
+        seed: seed for init and data order
+        dtype: autocast; auto: bf16 on CUDA, fp32 on CPU
+        log_interval: steps between log lines when there is no progress bar
+        eval_interval: steps between held-out evaluations (0: only at the end)
+        eval_batches: global batches per evaluation
+        sample_tokens: bytes to generate per sample at the end (0: none)
+        run_dir: metrics, TensorBoard log, plot and checkpoints go here
+        progress: tqdm progress bar on rank 0 (when tqdm is installed and a TTY)
+        tensorboard: TensorBoard event files in <run_dir>/tb (when tensorboard is
+            installed)
+    """
+
+    steps: int = 150
+    batch_size: int = 16
+    grad_accum: int = 1
+    seed: int = 1337
+    dtype: Literal["auto", "fp32", "bf16"] = "auto"
+    log_interval: int = 10
+    eval_interval: int = 50
+    eval_batches: int = 4
+    sample_tokens: int = 240
+    run_dir: str = "runs/gpt"
+    progress: bool = True
+    tensorboard: bool = True
 
 
 @dataclass
 class CheckpointConfig:
-    interval: int = _f(100, "steps between periodic saves (0: none)")
-    keep_last: int = _f(2, "complete checkpoints kept in the checkpoint dir")
-    async_save: bool = _f(True, "periodic saves write in the background")
-    background_staging: bool = _f(
-        True, "async saves also copy the state in the background (the next step waits for it)"
-    )
-    dir: str = _f("", "checkpoint dir; empty: <train.run_dir>/ckpt")
-    resume: bool = _f(False, "resume from the latest complete checkpoint in the checkpoint dir")
-    final: bool = _f(True, "save a checkpoint after the last step")
+    """Periodic saves and resuming.
+
+    Attributes:
+        interval: steps between periodic saves (0: none)
+        keep_last: complete checkpoints kept in the checkpoint dir
+        async_save: periodic saves write in the background
+        background_staging: async saves also copy the state in the background (the
+            next step waits for it)
+        dir: checkpoint dir; empty: <train.run_dir>/ckpt
+        resume: resume from the latest complete checkpoint in the checkpoint dir
+        final: save a checkpoint after the last step
+    """
+
+    interval: int = 100
+    keep_last: int = 2
+    async_save: bool = True
+    background_staging: bool = True
+    dir: str = ""
+    resume: bool = False
+    final: bool = True
 
 
 @dataclass
 class Config:
+    """The whole job.
+
+    Attributes:
+        model: the GPT's sizes
+        parallel: the (dp, tp) mesh and how the model is spread over it
+        optim: optimizer and learning-rate schedule
+        data: the text to train on
+        train: the loop, its logs and outputs
+        checkpoint: periodic saves and resuming
+    """
+
     model: ModelConfig = field(default_factory=ModelConfig)
     parallel: ParallelConfig = field(default_factory=ParallelConfig)
     optim: OptimConfig = field(default_factory=OptimConfig)
@@ -141,100 +232,138 @@ class Config:
         return dataclasses.asdict(self)
 
 
-_ALIASES = {"--data": "data.path", "--resume": "checkpoint.resume"}
-_TRUE = {"1", "true", "yes", "on", "y"}
-_FALSE = {"0", "false", "no", "off", "n"}
+_ALIASES = {"--data": "--data.path", "--resume": "--checkpoint.resume"}
 
 
-def _flags() -> dict[str, tuple[str, str, type, str, object]]:
-    """``"section.field" -> (section, field, type, help, default)``."""
+def _field_types() -> dict[str, type]:
+    """``"section.field" -> type`` for every leaf of ``Config``."""
     out = {}
     for sec in dataclasses.fields(Config):
-        sec_cls = sec.default_factory  # type: ignore[misc]
-        hints = typing.get_type_hints(sec_cls)
-        for f in dataclasses.fields(sec_cls):
-            out[f"{sec.name}.{f.name}"] = (
-                sec.name,
-                f.name,
-                hints[f.name],
-                f.metadata.get("help", ""),
-                f.default,
-            )
+        sec_cls = typing.get_type_hints(Config)[sec.name]
+        for name, typ in typing.get_type_hints(sec_cls).items():
+            out[f"{sec.name}.{name}"] = typ
     return out
 
 
-def _convert(flag: str, typ: type, raw: str):
-    if typ is bool:
-        low = raw.lower()
-        if low in _TRUE:
-            return True
-        if low in _FALSE:
-            return False
-        raise ConfigError(f"--{flag}: expected true/false, got {raw!r}")
+def build_parser() -> typing.Any:
+    """The ``jsonargparse.ArgumentParser`` of the trainer (``--config`` plus every field).
+
+    Errors raise ``argparse.ArgumentError`` instead of exiting, so that
+    ``parse_args`` can turn them into a ``ConfigError``.
+    """
+    from jsonargparse import ArgumentParser
+
+    parser = ArgumentParser(
+        prog=PROG,
+        usage=f"{PROG} [--config FILE] [--section.field VALUE ...]",
+        description=(
+            "Train a byte-level GPT with vescale on a (dp, tp) device mesh. Arguments apply "
+            "left to right: flags after --config override the file, flags before it are "
+            "overridden by it. A boolean flag without a value means true. Shortcuts: "
+            "--data PATH is --data.path PATH (not a section file), --resume is "
+            "--checkpoint.resume."
+        ),
+        exit_on_error=False,
+    )
+    parser.add_argument(
+        "--config",
+        action="config",
+        help="YAML file with any subset of the sections below (see examples/gpt/configs/)",
+    )
+    parser.add_class_arguments(Config, nested_key=None, fail_untyped=True)
+    return parser
+
+
+def _normalize(args: list[str], bools: set[str]) -> list[str]:
+    """Expand the shortcuts; give a value-less boolean flag the value ``true``."""
+    out: list[str] = []
+    for i, arg in enumerate(args):
+        name, eq, value = arg.partition("=")
+        name = _ALIASES.get(name, name)
+        out.append(f"{name}={value}" if eq else name)
+        if not eq and name.startswith("--") and name[2:] in bools:
+            nxt = args[i + 1] if i + 1 < len(args) else None
+            if nxt is None or nxt.startswith("-"):
+                out.append("true")
+    return out
+
+
+def _hint(args: list[str], known: list[str]) -> str:
+    """Nearest known flags for every unknown ``--flag`` in ``args`` (empty if none)."""
+    hints = []
+    for arg in args:
+        name = arg.partition("=")[0]
+        if not name.startswith("--") or name[2:] in known:
+            continue
+        close = difflib.get_close_matches(name[2:], known, n=3, cutoff=0.5)
+        if close:
+            hints.append(f"{name}: did you mean {', '.join('--' + c for c in close)}?")
+    return ("\n" + "\n".join(hints)) if hints else ""
+
+
+def _config_files(args: list[str]) -> list[str]:
+    files = []
+    for i, arg in enumerate(args):
+        if arg == "--config" and i + 1 < len(args):
+            files.append(args[i + 1])
+        elif arg.startswith("--config="):
+            files.append(arg.partition("=")[2])
+    return files
+
+
+def _file_flags(path: str) -> list[str]:
+    """The keys of a YAML config file as flags (``--model.n_layer``); empty if unreadable."""
+    import yaml  # a dependency of jsonargparse
+
     try:
-        return typ(raw)
-    except ValueError:
-        raise ConfigError(f"--{flag}: expected {typ.__name__}, got {raw!r}") from None
+        with open(path) as fh:
+            data = yaml.safe_load(fh)
+    except (OSError, yaml.YAMLError):
+        return []
+    if not isinstance(data, dict):
+        return []
+    flags = []
+    for sec, body in data.items():
+        keys = [f"{sec}.{k}" for k in body] if isinstance(body, dict) else [str(sec)]
+        flags += [f"--{k}" for k in keys]
+    return flags
 
 
-def help_text() -> str:
-    lines = [
-        "usage: torchrun --standalone --nproc-per-node N examples/gpt/train.py [--section.field VALUE ...]",
-        "",
-        "shortcuts: --data PATH (= --data.path), --resume (= --checkpoint.resume)",
-    ]
-    section = None
-    for flag, (sec, _name, typ, help_, default) in _flags().items():
-        if sec != section:
-            section = sec
-            lines.append(f"\n{sec}:")
-        lines.append(f"  --{flag:<32} {typ.__name__:<5} {default!r:<12} {help_}")
-    return "\n".join(lines)
+def _explain(err: ArgumentError, args: list[str], known: list[str]) -> str:
+    """``err`` plus the config file it comes from (if one) and the nearest known names."""
+    for path in _config_files(args):
+        try:
+            build_parser().parse_args(["--config", path])
+        except ArgumentError as file_err:
+            return f"--config {path}: {file_err}{_hint(_file_flags(path), known)}"
+    return f"{err} (see --help){_hint(args, known)}"
 
 
 def parse_args(argv: list[str] | None = None) -> Config:
-    """Build a :class:`Config` from defaults plus ``--section.field VALUE`` overrides.
+    """Build a ``Config`` from defaults, ``--config`` files and flags, left to right.
+
+    Args:
+        argv: The arguments (default: ``sys.argv[1:]``).
+
+    Returns:
+        The configuration.
 
     Raises:
-        ConfigError: Unknown flag (with the nearest names), missing or malformed value.
-        SystemExit: ``-h``/``--help`` (after printing the flags).
+        ConfigError: Unknown flag or config-file key (with the nearest names), a missing
+            file, a malformed value or one outside a field's choices.
+        SystemExit: ``-h``/``--help`` or ``--print_config`` (after printing).
     """
-    import sys
-
-    args = list(sys.argv[1:] if argv is None else argv)
-    cfg = Config()
-    flags = _flags()
-    i = 0
-    while i < len(args):
-        arg = args[i]
-        i += 1
-        if arg in ("-h", "--help"):
-            print(help_text())
-            raise SystemExit(0)
-        if not arg.startswith("--"):
-            raise ConfigError(f"unexpected argument {arg!r}; flags look like --train.steps 100")
-        value: str | None = None
-        if "=" in arg:
-            arg, value = arg.split("=", 1)
-        name = _ALIASES.get(arg, arg[2:])
-        if name not in flags:
-            close = difflib.get_close_matches(name, list(flags), n=3, cutoff=0.5)
-            hint = f"; did you mean {', '.join('--' + c for c in close)}?" if close else ""
-            raise ConfigError(f"unknown flag --{name}{hint} (see --help)")
-        sec, fname, typ, _help, _default = flags[name]
-        if value is None:
-            nxt = args[i] if i < len(args) else None
-            if typ is bool and (
-                nxt is None or nxt.startswith("--") or nxt.lower() not in _TRUE | _FALSE
-            ):
-                value = "true"
-            elif nxt is None:
-                raise ConfigError(f"--{name} needs a value")
-            else:
-                value = nxt
-                i += 1
-        setattr(getattr(cfg, sec), fname, _convert(name, typ, value))
-    return cfg
+    types = _field_types()
+    bools = {k for k, t in types.items() if t is bool}
+    args = _normalize(list(sys.argv[1:] if argv is None else argv), bools)
+    parser = build_parser()
+    try:
+        ns = parser.parse_args(args)
+    except ArgumentError as e:
+        known = [*types, "config", "print_config", *(f.name for f in dataclasses.fields(Config))]
+        raise ConfigError(_explain(e, args, known)) from None
+    sections = parser.instantiate(ns)
+    return Config(**{f.name: sections[f.name] for f in dataclasses.fields(Config)})
 
 
 def validate(cfg: Config, world_size: int) -> tuple[int, int]:
@@ -289,22 +418,18 @@ def validate(cfg: Config, world_size: int) -> tuple[int, int]:
         0 < cfg.data.val_fraction < 1,
         f"--data.val_fraction must be in (0, 1), got {cfg.data.val_fraction}",
     )
-    need(o.name in ("adamw", "muon"), f"--optim.name must be 'adamw' or 'muon', got {o.name!r}")
+    # The choices are Literal types (the parser checks them); a Config built in code is not parsed.
+    for name, value in (
+        ("optim.name", o.name),
+        ("parallel.data_parallel", p.data_parallel),
+        ("parallel.device", p.device),
+        ("train.dtype", t.dtype),
+    ):
+        choices = typing.get_args(_field_types()[name])
+        need(value in choices, f"--{name} must be one of {', '.join(choices)}, got {value!r}")
     need(
         not (o.zero and o.name != "adamw"),
         "--optim.zero (DistributedOptimizer) needs --optim.name adamw (Muon is not element-wise)",
-    )
-    need(
-        p.data_parallel in ("auto", "ddp", "fsdp", "trainer"),
-        f"--parallel.data_parallel must be auto, ddp, fsdp or trainer, got {p.data_parallel!r}",
-    )
-    need(
-        p.device in ("auto", "cpu", "cuda"),
-        f"--parallel.device must be auto, cpu or cuda, got {p.device!r}",
-    )
-    need(
-        t.dtype in ("auto", "fp32", "bf16"),
-        f"--train.dtype must be auto, fp32 or bf16, got {t.dtype!r}",
     )
     need(
         m.vocab_size >= 256,
@@ -367,3 +492,10 @@ def format_config(cfg: Config, extra: dict | None = None) -> str:
     if extra:
         d["derived"] = extra
     return json.dumps(d, indent=2)
+
+
+def config_yaml(cfg: Config) -> str:
+    """``cfg`` as a YAML config file: ``--config`` of it gives back ``cfg``."""
+    import yaml  # a dependency of jsonargparse
+
+    return yaml.safe_dump(cfg.to_dict(), sort_keys=False)

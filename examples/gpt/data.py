@@ -7,21 +7,35 @@
   (sorted by relative path).
 * Held-out split: the last ``val_fraction`` of every document (cut at a line
   boundary) is evaluation text; the rest is training text.
-* Batches: the global batch of step ``s`` is a function of ``(seed, s)`` only, so it
-  does not depend on the mesh; dp rank ``r`` takes its contiguous share of each
-  micro-batch. A resumed run, even on another world size, sees the same data.
+* Batches: the training text is cut into consecutive windows of ``block_size + 1``
+  bytes (``TokenWindows``), read by a ``torch.utils.data.DataLoader`` whose
+  ``DistributedSampler`` shuffles them once per epoch with the seed and gives dp rank
+  ``r`` every ``dp``-th window from ``r``. The global batch of step ``s`` is a function
+  of ``(seed, s)`` only, so it does not depend on the mesh; a resumed run, even on
+  another world size, sees the same data (``batches``).
 """
 
 from __future__ import annotations
 
 import dataclasses
+import itertools
 import os
 import sysconfig
+from collections.abc import Iterator
 from pathlib import Path
 
 import torch
+from torch.utils.data import DataLoader, Dataset, DistributedSampler
 
-__all__ = ["Corpus", "load_corpus", "batch_for_step", "eval_batches"]
+__all__ = [
+    "Corpus",
+    "ResumableDistributedSampler",
+    "TokenWindows",
+    "batches",
+    "decode",
+    "eval_batches",
+    "load_corpus",
+]
 
 _SNIFF = 8192
 
@@ -102,45 +116,107 @@ def load_corpus(path: str = "", val_fraction: float = 0.05, max_bytes: int = 0) 
     )
 
 
-def _windows(data: torch.Tensor, starts: torch.Tensor, block_size: int) -> torch.Tensor:
-    idx = starts.unsqueeze(1) + torch.arange(block_size + 1).unsqueeze(0)
-    return data[idx].long()
+class TokenWindows(Dataset):
+    """Consecutive windows of ``block_size + 1`` tokens of ``data`` (a map-style dataset).
+
+    Item ``i`` is ``(data[i*b : i*b+b], data[i*b+1 : i*b+b+1])`` with ``b = block_size``:
+    inputs and their next-token targets. Only the first ``multiple_of * k`` windows are
+    used (the largest such ``k``), so that an epoch splits into whole global batches
+    whatever the data-parallel size.
+
+    Raises:
+        ValueError: If ``data`` holds fewer than ``multiple_of`` windows.
+    """
+
+    def __init__(
+        self, data: torch.Tensor, block_size: int, multiple_of: int = 1, what: str = "training"
+    ) -> None:
+        n = max(data.numel() - 1, 0) // block_size
+        n -= n % multiple_of
+        if n == 0:
+            raise ValueError(
+                f"the {what} text has {data.numel():,} bytes: fewer than one batch of "
+                f"{multiple_of} windows of --model.block_size {block_size} (+1) bytes; use more "
+                "text (--data), a smaller --model.block_size or a smaller --train.batch_size"
+            )
+        self.data, self.block_size, self.n = data, block_size, n
+
+    def __len__(self) -> int:
+        return self.n
+
+    def __getitem__(self, i: int) -> tuple[torch.Tensor, torch.Tensor]:
+        if not 0 <= i < self.n:
+            raise IndexError(f"window {i} out of range [0, {self.n})")
+        w = self.data[i * self.block_size : (i + 1) * self.block_size + 1].long()
+        return w[:-1], w[1:]
 
 
-def _check_len(data: torch.Tensor, block_size: int, what: str) -> None:
-    if data.numel() < block_size + 2:
-        raise ValueError(
-            f"the {what} text has {data.numel()} bytes, fewer than block_size + 2 = "
-            f"{block_size + 2}; use more text or a smaller --model.block_size"
-        )
+class ResumableDistributedSampler(DistributedSampler):
+    """``DistributedSampler`` that can begin part-way through an epoch.
+
+    ``set_epoch(epoch, start=k)`` makes the next iteration skip this rank's first ``k``
+    indices of that epoch's permutation (the permutation itself is unchanged).
+    """
+
+    def __init__(self, *args, **kwargs) -> None:
+        super().__init__(*args, **kwargs)
+        self.start = 0
+
+    def set_epoch(self, epoch: int, start: int = 0) -> None:
+        super().set_epoch(epoch)
+        self.start = start
+
+    def __iter__(self):
+        return itertools.islice(super().__iter__(), self.start, None)
+
+    def __len__(self) -> int:
+        return self.num_samples - self.start
 
 
-def batch_for_step(
+def batches(
     data: torch.Tensor,
     *,
-    step: int,
-    micro: int,
     seed: int,
     batch_size: int,
     grad_accum: int,
     dp_rank: int,
     dp_size: int,
     block_size: int,
-) -> tuple[torch.Tensor, torch.Tensor]:
-    """This dp rank's ``(inputs, targets)`` for micro-batch ``micro`` of step ``step``.
+    start_step: int = 0,
+    pin_memory: bool = False,
+    what: str = "training",
+) -> Iterator[tuple[torch.Tensor, torch.Tensor]]:
+    """This dp rank's ``(inputs, targets)`` micro-batches from step ``start_step`` on, endlessly.
 
-    The step's ``batch_size`` random windows are drawn from a generator seeded by
-    ``(seed, step)``; micro-batch ``m`` is the ``m``-th of ``grad_accum`` equal
-    slices and dp rank ``r`` takes the ``r``-th of ``dp_size`` slices of that.
+    A ``DataLoader`` over ``TokenWindows`` with a (resumable) ``DistributedSampler``:
+    every epoch is one permutation of the windows seeded by ``(seed, epoch)``, and dp rank
+    ``r`` takes every ``dp_size``-th index of it starting at ``r``. Each step consumes
+    ``batch_size`` consecutive positions of the permutation in ``grad_accum`` micro-batches,
+    so the global batch of step ``s`` (the union over the dp ranks) depends only on
+    ``(seed, s)`` and the data, not on the mesh: a resumed run, even on another number of
+    ranks, sees the same data. The epoch length is a multiple of ``batch_size`` windows.
+
+    Raises:
+        ValueError: If ``data`` holds less than one global batch of windows (at once,
+            not at the first ``next``).
     """
-    _check_len(data, block_size, "training")
-    g = torch.Generator().manual_seed(seed * 1_000_003 + step)
-    starts = torch.randint(0, data.numel() - block_size - 1, (batch_size,), generator=g)
-    per_micro = batch_size // grad_accum
-    per_rank = per_micro // dp_size
-    lo = micro * per_micro + dp_rank * per_rank
-    xy = _windows(data, starts[lo : lo + per_rank], block_size)
-    return xy[:, :-1], xy[:, 1:]
+    dataset = TokenWindows(data, block_size, multiple_of=batch_size, what=what)
+    per_rank = batch_size // (grad_accum * dp_size)
+    sampler = ResumableDistributedSampler(
+        dataset, num_replicas=dp_size, rank=dp_rank, shuffle=True, seed=seed, drop_last=True
+    )
+    loader = DataLoader(
+        dataset, batch_size=per_rank, sampler=sampler, drop_last=True, pin_memory=pin_memory
+    )
+    epoch, step_in_epoch = divmod(start_step, len(dataset) // batch_size)
+
+    def endless(epoch: int, start: int) -> Iterator[tuple[torch.Tensor, torch.Tensor]]:
+        while True:
+            sampler.set_epoch(epoch, start=start)
+            yield from loader
+            epoch, start = epoch + 1, 0
+
+    return endless(epoch, step_in_epoch * grad_accum * per_rank)
 
 
 def eval_batches(
@@ -152,15 +228,19 @@ def eval_batches(
     dp_rank: int,
     dp_size: int,
     block_size: int,
-):
-    """Yield this dp rank's share of ``n_batches`` fixed held-out batches (same every call)."""
-    _check_len(data, block_size, "held-out")
-    g = torch.Generator().manual_seed(seed * 7_919 + 17)
-    per_rank = batch_size // dp_size
-    for _ in range(n_batches):
-        starts = torch.randint(0, data.numel() - block_size - 1, (batch_size,), generator=g)
-        xy = _windows(data, starts[dp_rank * per_rank : (dp_rank + 1) * per_rank], block_size)
-        yield xy[:, :-1], xy[:, 1:]
+) -> Iterator[tuple[torch.Tensor, torch.Tensor]]:
+    """This dp rank's share of the first ``n_batches`` held-out batches (same every call)."""
+    it = batches(
+        data,
+        seed=seed,
+        batch_size=batch_size,
+        grad_accum=1,
+        dp_rank=dp_rank,
+        dp_size=dp_size,
+        block_size=block_size,
+        what="held-out",
+    )
+    return itertools.islice(it, n_batches)
 
 
 def decode(tokens) -> str:

@@ -5,20 +5,26 @@
 
 The model (``model.py``) is a plain ``nn.Module``. This script
 
-1. parses and validates the config (``config.py``) before any process-group work;
+1. parses the config (``config.py``: ``jsonargparse`` over a dataclass tree, ``--config
+   job.yaml`` plus flags) and validates it before any process-group work;
 2. builds ``init_device_mesh(device, (dp, tp), mesh_dim_names=("dp", "tp"))`` (gloo
    on CPU, NCCL on CUDA; the device is picked from ``LOCAL_RANK``);
 3. parallelizes the model with ``vescale.dmodule.DModule`` and its automatic
    Megatron TP(+SP) plan on ``"tp"``; data parallelism over ``"dp"`` comes from
    DModule when it offers it, otherwise from one bucketed gradient all-reduce here;
-4. trains with AdamW (or ``vescale.optim.Muon``), global gradient clipping
-   (``vescale.optim.clip_grad_norm_``), a warmup + cosine schedule, gradient
-   accumulation and bf16 autocast on CUDA;
-5. saves asynchronous checkpoints with ``vescale.checkpoint`` (``--resume`` reloads
-   the latest, resharding if the mesh changed);
-6. on rank 0: progress bar, periodic held-out loss, ``metrics.json``,
-   ``metrics.csv`` and ``loss.png`` in the run dir, samples from the trained model
-   and a final ``TRAINING COMPLETE: start loss X -> end loss Y`` line.
+4. reads the data through a ``torch.utils.data.DataLoader`` with a
+   ``DistributedSampler`` over the "dp" ranks (``data.py``);
+5. trains with AdamW (or ``vescale.optim.Muon``), global gradient clipping
+   (``vescale.optim.clip_grad_norm_``), a warmup + cosine schedule
+   (``torch.optim.lr_scheduler.LambdaLR``), gradient accumulation and bf16 autocast on
+   CUDA;
+6. saves asynchronous checkpoints (model, optimizer, lr scheduler) with
+   ``vescale.checkpoint`` (``--resume`` reloads the latest, resharding if the mesh
+   changed);
+7. on rank 0: progress bar, periodic held-out loss, ``metrics.json``,
+   ``metrics.csv``, a TensorBoard log and ``loss.png`` in the run dir, samples from
+   the trained model and a final ``TRAINING COMPLETE: start loss X -> end loss Y``
+   line.
 """
 
 from __future__ import annotations
@@ -29,6 +35,7 @@ _T0 = time.perf_counter()
 
 import contextlib  # noqa: E402
 import csv  # noqa: E402
+import io  # noqa: E402
 import json  # noqa: E402
 import math  # noqa: E402
 import os  # noqa: E402
@@ -44,8 +51,15 @@ import torch.nn.functional as F  # noqa: E402
 from torch.distributed.elastic.multiprocessing.errors import record  # noqa: E402
 
 # isort: split
-from config import Config, ConfigError, format_config, parse_args, validate  # noqa: E402
-from data import batch_for_step, decode, eval_batches, load_corpus  # noqa: E402
+from config import (  # noqa: E402
+    Config,
+    ConfigError,
+    config_yaml,
+    format_config,
+    parse_args,
+    validate,
+)
+from data import batches, decode, eval_batches, load_corpus  # noqa: E402
 from model import GPT, GPTConfig  # noqa: E402
 
 try:  # optional: progress bar
@@ -68,7 +82,8 @@ def fmt_time(s: float) -> str:
 def lr_factor(step: int, cfg: Config) -> float:
     """Linear warmup over ``warmup_steps``, then cosine down to ``min_lr_ratio`` at ``steps``.
 
-    ``step`` is the 0-based index of the optimizer step about to run.
+    ``step`` is the 0-based index of the optimizer step about to run (``LambdaLR``'s
+    ``last_epoch``).
     """
     o, total = cfg.optim, cfg.train.steps
     if o.warmup_steps and step < o.warmup_steps:
@@ -101,7 +116,7 @@ def parallelize(model: torch.nn.Module, mesh, cfg: Config):
 
     Returns ``(model, dp_mode)``: ``"dmodule-ddp"`` when DModule syncs the data-parallel
     gradients itself, ``"optimizer"`` when ``DistributedOptimizer`` reduce-scatters them,
-    ``"trainer"`` when this script all-reduces them (:func:`sync_dp_grads`).
+    ``"trainer"`` when this script all-reduces them (``sync_dp_grads``).
     """
     from vescale.dmodule import DModule
     from vescale.dtensor import Replicate, Shard
@@ -180,7 +195,7 @@ def loss_fn(logits, targets: torch.Tensor) -> torch.Tensor:
 
 # --------------------------------------------------------------------------- optimizer
 def build_optimizer(model, mesh, cfg: Config):
-    """Returns ``(optimizer, kind)``; param groups carry ``base_lr`` for the schedule."""
+    """Returns ``(optimizer, kind)``."""
     o = cfg.optim
     decay, no_decay = [], []
     for _name, p in model.named_parameters():
@@ -220,9 +235,20 @@ def build_optimizer(model, mesh, cfg: Config):
     else:
         opt = torch.optim.AdamW(groups, lr=o.lr, betas=(o.beta1, o.beta2), eps=o.eps)
         kind = "torch.optim.AdamW"
-    for g in opt.param_groups:
-        g["base_lr"] = g["lr"]
     return opt, kind
+
+
+def build_scheduler(opt, cfg: Config) -> torch.optim.lr_scheduler.LambdaLR:
+    """Warmup + cosine (``lr_factor``) as a ``LambdaLR``, stepped once per optimizer step.
+
+    ``LambdaLR`` scales every param group's own peak lr (Muon's matrix and AdamW groups
+    differ), in closed form. ``DistributedOptimizer`` is not a ``torch.optim.Optimizer``:
+    the schedule drives its inner optimizer, whose param groups it shares.
+    """
+    from vescale.optim import DistributedOptimizer
+
+    target = opt.optimizer if isinstance(opt, DistributedOptimizer) else opt
+    return torch.optim.lr_scheduler.LambdaLR(target, lambda step: lr_factor(step, cfg))
 
 
 def clip_and_norm(params: list[torch.Tensor], max_norm: float) -> float:
@@ -250,8 +276,33 @@ def latest_checkpoint(ckpt_dir: Path) -> Path | None:
     return max(found)[1] if found else None
 
 
-def checkpoint_state(model, opt, step: int, tokens: int) -> dict:
-    return {"model": model, "optimizer": opt, "step": step, "tokens": tokens}
+def checkpoint_state(model, opt, sched, step: int, tokens: int) -> dict:
+    return {"model": model, "optimizer": opt, "lr_scheduler": sched, "step": step, "tokens": tokens}
+
+
+# --------------------------------------------------------------------------- data
+def train_kwargs(cfg: Config, dp_rank: int, dp_size: int, start_step: int) -> dict:
+    """``data.batches`` arguments of this dp rank's training micro-batches."""
+    return dict(
+        seed=cfg.train.seed,
+        batch_size=cfg.train.batch_size,
+        grad_accum=cfg.train.grad_accum,
+        dp_rank=dp_rank,
+        dp_size=dp_size,
+        block_size=cfg.model.block_size,
+        start_step=start_step,
+    )
+
+
+def eval_kwargs(cfg: Config, dp_rank: int, dp_size: int) -> dict:
+    """``data.eval_batches`` arguments: global batches of ``batch_size / grad_accum``."""
+    return dict(
+        seed=cfg.train.seed,
+        batch_size=cfg.train.batch_size // cfg.train.grad_accum,
+        dp_rank=dp_rank,
+        dp_size=dp_size,
+        block_size=cfg.model.block_size,
+    )
 
 
 # --------------------------------------------------------------------------- evaluation
@@ -263,13 +314,7 @@ def evaluate(model, corpus, cfg: Config, mesh, amp) -> float:
     total = torch.zeros((), dtype=torch.float64)
     n = 0
     for x, y in eval_batches(
-        corpus.val,
-        seed=cfg.train.seed,
-        n_batches=cfg.train.eval_batches,
-        batch_size=cfg.train.batch_size // cfg.train.grad_accum,
-        dp_rank=dp_rank,
-        dp_size=dp_size,
-        block_size=cfg.model.block_size,
+        corpus.val, **eval_kwargs(cfg, dp_rank, dp_size), n_batches=cfg.train.eval_batches
     ):
         with amp():
             total += loss_fn(model(x.to(device)), y.to(device)).double().cpu()
@@ -398,6 +443,47 @@ class Metrics:
         return out
 
 
+class TensorBoard:
+    """Rank 0's TensorBoard event log in ``<run_dir>/tb`` (``torch.utils.tensorboard``).
+
+    ``tensorboard`` is an optional dependency: without it (or with
+    ``--train.tensorboard false``) every call is a no-op, after one note when it is missing.
+    A resumed run passes ``purge_step``: TensorBoard then drops the earlier run's events
+    from that step on, so the curves show each step once.
+    """
+
+    def __init__(self, log_dir: Path, cfg: Config, rank: int, purge_step: int | None) -> None:
+        self.writer = None
+        self.dir = log_dir
+        if rank != 0 or not cfg.train.tensorboard:
+            return
+        try:
+            from torch.utils.tensorboard import SummaryWriter
+        except ImportError as e:
+            print(
+                f"note: no TensorBoard log ({e}); pip install tensorboard for one in {log_dir}",
+                flush=True,
+            )
+            return
+        self.writer = SummaryWriter(log_dir=str(log_dir), purge_step=purge_step)
+        self.writer.add_text("config", "```\n" + config_yaml(cfg) + "```")
+
+    def scalars(self, step: int, **values: float | None) -> None:
+        if self.writer is None:
+            return
+        for tag, v in values.items():
+            if v is not None and math.isfinite(v):
+                self.writer.add_scalar(tag, v, step)
+
+    def flush(self) -> None:
+        if self.writer is not None:
+            self.writer.flush()
+
+    def close(self) -> None:
+        if self.writer is not None:
+            self.writer.close()
+
+
 class Progress:
     """tqdm bar on a TTY, else a plain log line every ``log_interval`` steps (rank 0 only)."""
 
@@ -447,9 +533,22 @@ def main(argv: list[str] | None = None) -> int:
     rank = int(os.environ.get("RANK", "0"))
     world = int(os.environ.get("WORLD_SIZE", "1"))
     try:
-        cfg = parse_args(argv)
+        # --help and --print_config print once (on rank 0), not once per rank.
+        with contextlib.redirect_stdout(io.StringIO()) if rank else contextlib.nullcontext():
+            cfg = parse_args(argv)
         dp, tp = validate(cfg, world)  # before any process-group work
     except ConfigError as e:
+        if rank == 0:
+            print(f"error: {e}", file=sys.stderr, flush=True)
+        return 2
+
+    # ---- data (every rank reads the same bytes; batches are functions of (seed, step)).
+    # Too little text fails here, before any process-group work.
+    try:
+        corpus = load_corpus(cfg.data.path, cfg.data.val_fraction, cfg.data.max_bytes)
+        batches(corpus.train, **train_kwargs(cfg, 0, dp, 0))
+        eval_batches(corpus.val, **eval_kwargs(cfg, 0, dp), n_batches=1)
+    except ValueError as e:
         if rank == 0:
             print(f"error: {e}", file=sys.stderr, flush=True)
         return 2
@@ -474,9 +573,6 @@ def main(argv: list[str] | None = None) -> int:
     run_dir = Path(cfg.train.run_dir)
     ckpt_dir = Path(cfg.checkpoint.dir) if cfg.checkpoint.dir else run_dir / "ckpt"
 
-    # ---- data (every rank reads the same bytes; batches are functions of (seed, step))
-    corpus = load_corpus(cfg.data.path, cfg.data.val_fraction, cfg.data.max_bytes)
-
     # ---- model
     with torch.device(device):
         model = GPT(GPTConfig(**vars(cfg.model)))
@@ -484,6 +580,7 @@ def main(argv: list[str] | None = None) -> int:
     model, dp_mode = parallelize(model, mesh, cfg)
     params = [p for p in model.parameters() if p.requires_grad]
     opt, opt_kind = build_optimizer(model, mesh, cfg)
+    sched = build_scheduler(opt, cfg)
 
     tokens_per_step = cfg.train.batch_size * cfg.model.block_size
     info = {
@@ -509,7 +606,7 @@ def main(argv: list[str] | None = None) -> int:
         if path is None:
             log0(f"--resume: no complete checkpoint in {ckpt_dir}; starting from scratch")
         else:
-            state = checkpoint_state(model, opt, 0, 0)
+            state = checkpoint_state(model, opt, sched, 0, 0)
             t = time.perf_counter()
             vckpt.load(path, state)
             start_step, tokens_seen = int(state["step"]), int(state["tokens"])
@@ -519,6 +616,15 @@ def main(argv: list[str] | None = None) -> int:
             )
             if rank == 0:
                 metrics.load_previous(start_step)
+    if rank == 0:
+        run_dir.mkdir(parents=True, exist_ok=True)
+        (run_dir / "config.yaml").write_text(config_yaml(cfg))
+    tb = TensorBoard(run_dir / "tb", cfg, rank, purge_step=start_step + 1 if start_step else None)
+    train_iter = batches(
+        corpus.train,
+        **train_kwargs(cfg, dp_rank, dp, start_step),
+        pin_memory=device.type == "cuda",
+    )
 
     setup_s = time.perf_counter() - _T0
     log0(
@@ -536,24 +642,12 @@ def main(argv: list[str] | None = None) -> int:
     handle = None
     for step in range(start_step, cfg.train.steps):
         t_step = time.perf_counter()
-        factor = lr_factor(step, cfg)
-        for g in opt.param_groups:
-            g["lr"] = g["base_lr"] * factor
+        lr = opt.param_groups[0]["lr"]  # set by the scheduler (restored on resume)
         loss_sum = 0.0
         accum = cfg.train.grad_accum
         sync_ctx = no_sync_context(model) if dp_mode.startswith("dmodule-") else None
         for micro in range(accum):
-            x, y = batch_for_step(
-                corpus.train,
-                step=step,
-                micro=micro,
-                seed=cfg.train.seed,
-                batch_size=cfg.train.batch_size,
-                grad_accum=accum,
-                dp_rank=dp_rank,
-                dp_size=dp,
-                block_size=cfg.model.block_size,
-            )
+            x, y = next(train_iter)
             x, y = x.to(device, non_blocking=True), y.to(device, non_blocking=True)
             last = micro == accum - 1
             ctx = sync_ctx() if (sync_ctx and not last) else contextlib.nullcontext()
@@ -569,6 +663,7 @@ def main(argv: list[str] | None = None) -> int:
         else:
             grad_norm = clip_and_norm(params, cfg.optim.grad_clip)
         opt.step()
+        sched.step()
         opt.zero_grad(set_to_none=True)
 
         # Loss of the global batch: average of the dp ranks' losses (tiny all-reduce).
@@ -589,13 +684,23 @@ def main(argv: list[str] | None = None) -> int:
         metrics.add(
             step=done,
             loss=round(step_loss, 5),
-            lr=opt.param_groups[0]["lr"],
+            lr=lr,
             grad_norm=round(grad_norm, 5) if math.isfinite(grad_norm) else None,
             tokens_per_s=round(tps, 1),
             step_time_s=round(dt, 4),
             elapsed_s=round(time.perf_counter() - _T0, 2),
         )
-        progress.update(done, step_loss, tps, opt.param_groups[0]["lr"], eta)
+        tb.scalars(
+            done,
+            **{
+                "train/loss": step_loss,
+                "train/lr": lr,
+                "train/grad_norm": grad_norm,
+                "train/tokens_per_s": tps,
+                "train/step_time_s": dt,
+            },
+        )
+        progress.update(done, step_loss, tps, lr, eta)
 
         if (
             cfg.train.eval_interval
@@ -604,6 +709,8 @@ def main(argv: list[str] | None = None) -> int:
         ):
             last_eval = evaluate(model, corpus, cfg, mesh, amp)
             metrics.set_eval(done, round(last_eval, 5))
+            tb.scalars(done, **{"eval/loss": last_eval})
+            tb.flush()
             progress.write(f"step {done}: held-out loss {last_eval:.4f} (train {step_loss:.4f})")
             if rank == 0:
                 metrics.write()
@@ -615,7 +722,7 @@ def main(argv: list[str] | None = None) -> int:
             path = ckpt_dir / f"step_{done:06d}"
             handle = vckpt.save(
                 path,
-                checkpoint_state(model, opt, done, tokens_seen),
+                checkpoint_state(model, opt, sched, done, tokens_seen),
                 async_op=cfg.checkpoint.async_save,
                 staging="background" if cfg.checkpoint.background_staging else "blocking",
                 keep_last=cfg.checkpoint.keep_last,
@@ -631,12 +738,14 @@ def main(argv: list[str] | None = None) -> int:
     # ---- final evaluation, checkpoint, samples
     last_eval = evaluate(model, corpus, cfg, mesh, amp)
     metrics.set_eval(cfg.train.steps, round(last_eval, 5))
+    tb.scalars(cfg.train.steps, **{"eval/loss": last_eval})
+    tb.close()
     log0(f"final held-out loss {last_eval:.4f} after {cfg.train.steps} steps")
     if cfg.checkpoint.final and steps_run > 0:
         path = ckpt_dir / f"step_{cfg.train.steps:06d}"
         vckpt.save(
             path,
-            checkpoint_state(model, opt, cfg.train.steps, tokens_seen),
+            checkpoint_state(model, opt, sched, cfg.train.steps, tokens_seen),
             keep_last=cfg.checkpoint.keep_last,
         )
         log0(f"final checkpoint: {path}")
@@ -676,7 +785,8 @@ def main(argv: list[str] | None = None) -> int:
         metrics.write()
         png = metrics.plot()
         log0(
-            f"run dir {run_dir}: metrics.json, metrics.csv"
+            f"run dir {run_dir}: config.yaml, metrics.json, metrics.csv"
+            + (", tb/ (TensorBoard)" if tb.writer is not None else "")
             + (", loss.png" if png else " (pip install matplotlib for loss.png)")
         )
         log0(

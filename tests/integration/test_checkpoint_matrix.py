@@ -143,12 +143,12 @@ CASES = [
 def test_resume_under_another_configuration(saved_as, loaded_as, reference, tmp_path):
     ref_losses, ref_params = reference
     path = str(tmp_path / "ckpt")
-    saved = run_on_ranks(_save_body, 4, saved_as, path, timeout=300)
+    saved = run_on_ranks(_save_body, 4, saved_as, path, timeout=600)
     assert max(abs(a - b) for a, b in zip(saved[0], ref_losses[:SAVE_AT])) <= TOL
     if loaded_as == "single":
         results = [_load_body("single", path)]
     else:
-        results = run_on_ranks(_load_body, 4, loaded_as, path, timeout=300)
+        results = run_on_ranks(_load_body, 4, loaded_as, path, timeout=600)
     for params, losses in results:
         assert params.keys() == ref_params.keys()
         for name, ref in ref_params.items():

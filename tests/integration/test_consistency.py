@@ -153,14 +153,20 @@ CONFIGS = {
 
 def max_diff(config: str) -> float:
     ranks, optim = CONFIGS[config]
-    got = run_on_ranks(_parallel_losses, ranks, config, timeout=300)
+    got = run_on_ranks(_parallel_losses, ranks, config, timeout=600)
     ref = reference(optim)
     for r in got[1:]:
         assert r == got[0], "ranks disagree on the loss"
     return max(abs(a - b) for a, b in zip(got[0], ref))
 
 
-@pytest.mark.parametrize("config", list(CONFIGS))
+#: The configurations that the conformance matrix (tests/conformance, every training-loop
+#: idiom for 3 steps) runs as engines too: ddp, fsdp, tp, ddp-tp, fsdp-tp, muon-fsdp. The
+#: suite trains the others here for 10 steps; the table script runs all of them.
+IN_CONFORMANCE = {"ddp4", "fsdp4", "tp4", "ddp2xtp2", "fsdp2xtp2", "fsdp4+muon"}
+
+
+@pytest.mark.parametrize("config", [c for c in CONFIGS if c not in IN_CONFORMANCE])
 def test_losses_match_single_device(config):
     diff = max_diff(config)
     tol = MUON_TOL if config.endswith("muon") else TOL

@@ -5,9 +5,10 @@ import math
 
 import pytest
 import torch
-from torch.distributed.tensor import Replicate, Shard
+from torch.distributed.tensor import Partial, Replicate, Shard
 
 from vescale.checkpoint import flat_range_boxes, local_boxes
+from vescale.dtensor import application_order
 from vescale.dtensor.chunks import UnsupportedLayout
 from vescale.ragged import RaggedShard
 
@@ -33,9 +34,14 @@ def test_flat_range_boxes_exhaustive(shape):
 
 
 def _expected_local(full, mesh_shape, coord, placements):
-    """Apply each placement's local selection to an index tensor (no communication)."""
+    """Apply each placement's local selection to an index tensor (no communication).
+
+    In application order: a Shard applies before a plugin placement that would cut
+    through its (global) dim.
+    """
     t = full
-    for i, p in enumerate(placements):
+    for i in application_order(placements, full.ndim):
+        p = placements[i]
         n, c = mesh_shape[i], coord[i]
         if isinstance(p, Replicate):
             continue
@@ -52,7 +58,8 @@ CASES = [
     ((8, 6), (2, 2), [Shard(1), RaggedShard((0,), (3, 1))]),
     ((8, 6), (2, 2), [Shard(0), Shard(1)]),
     ((6, 5), (2, 2), [RaggedShard((0,), (1, 1)), Shard(1)]),
-    ((4, 6, 2), (3, 2), [RaggedShard((0, 1), (1, 0, 2)), Shard(1)]),
+    ((4, 6, 2), (3, 2), [RaggedShard((0, 1), (1, 0, 2)), Shard(1)]),  # Shard(1) first
+    ((4, 6), (2, 2), [RaggedShard((0,), (1, 1)), Shard(0)]),  # veScale's FSDP x TP
     ((4, 6), (2, 3), [RaggedShard((0, 1), (1, 3)), RaggedShard((0,), (2, 1, 0))]),
     ((5, 3), (3,), [RaggedShard((), (0, 1, 0))]),
     ((10,), (4,), [Shard(0)]),
@@ -76,5 +83,5 @@ def test_local_boxes_match_local_selection(shape, mesh_shape, placements):
 
 
 def test_unsupported_layout_is_reported():
-    with pytest.raises(UnsupportedLayout, match="cut through"):
-        local_boxes((4, 6), (2, 2), (0, 0), [RaggedShard((0,), (1, 1)), Shard(0)])
+    with pytest.raises(UnsupportedLayout, match="cannot be saved as boxes"):
+        local_boxes((4, 6), (2, 2), (0, 0), [RaggedShard((0,), (1, 1)), Partial()])

@@ -22,6 +22,29 @@ from vescale.dtensor.testing import distributed  # noqa: E402
 TOL = dict(atol=1e-5, rtol=1e-5)
 
 
+def _torch_211_attention_gap() -> bool:
+    """torch 2.11's strict view rule (vescale-dtensor's compat report: "fallback").
+
+    On that torch, tensor parallelism of these HF models is a known gap
+    (docs/torch_versions.md): GPT-2's fused ``c_attn`` fails in backward with a shape
+    error and LLaMA's attention ``view`` of head-sharded 4-D tensors is refused. The
+    tests are strict expected failures there, so a fix shows up as XPASS.
+    """
+    from vescale.dtensor import _compat
+
+    status = _compat.check_torch_internals()[
+        "DTensor _unsafe_view flattening a sharded inner dim (4-D matmuls)"
+    ]
+    return status.startswith("fallback")
+
+
+GAP_211 = pytest.mark.xfail(
+    _torch_211_attention_gap(),
+    reason="known gap on torch 2.11: HF attention under TP (docs/torch_versions.md)",
+    strict=True,
+)
+
+
 def _build(kind, attn="eager"):
     import transformers
 
@@ -103,23 +126,25 @@ def _check_gpt2_forward_comm(model, ids):
     assert counts == {"all_reduce": 2 * n_layer + 1, "all_gather_into_tensor": 1}, counts
 
 
+@GAP_211
 @distributed(2)
 def test_hf_gpt2_tp():
     run_hf("gpt2", sp=False)
 
 
-@pytest.mark.parametrize("kind", ["gpt2", "llama"])
+@pytest.mark.parametrize("kind", [pytest.param("gpt2", marks=GAP_211), "llama"])
 @distributed(2)
 def test_hf_sdpa_attention_tp(kind):
     run_hf(kind, sp=False, attn="sdpa")
 
 
-@pytest.mark.parametrize("kind", ["gpt2", "llama"])
+@pytest.mark.parametrize("kind", [pytest.param("gpt2", marks=GAP_211), "llama"])
 @distributed(4)
 def test_hf_tp4(kind):
     run_hf(kind, sp=False, mesh_shape=(4,))
 
 
+@GAP_211
 @pytest.mark.parametrize("kind,sp", [("gpt2", True), ("llama", False)])
 @distributed(4)
 def test_hf_dp2_x_tp2(kind, sp):
@@ -174,6 +199,7 @@ def _llama_hand_plan(ndim):
     return _megatron_plan(ndim, params, outs)
 
 
+@GAP_211
 @pytest.mark.parametrize("kind,mesh_shape", [("gpt2", (4,)), ("llama", (2, 2))])
 @distributed(4)
 def test_hf_hand_written_plans(kind, mesh_shape):
@@ -181,11 +207,13 @@ def test_hf_hand_written_plans(kind, mesh_shape):
     run_hf(kind, sp=False, mesh_shape=mesh_shape, plan=plan)
 
 
+@GAP_211
 @distributed(2)
 def test_hf_llama_tp_sp():
     run_hf("llama", sp=True)
 
 
+@GAP_211
 @distributed(2)
 def test_hf_llama_tp_no_sp():
     # The vocab-parallel embed_tokens output (torch's _MaskPartial, all-reduced to
@@ -194,6 +222,7 @@ def test_hf_llama_tp_no_sp():
     run_hf("llama", sp=False)
 
 
+@GAP_211
 @distributed(2)
 def test_hf_gpt2_tp_sp():
     run_hf("gpt2", sp=True)

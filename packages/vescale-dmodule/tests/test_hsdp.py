@@ -161,8 +161,11 @@ def test_hsdp_bytes(reshard):
         factor = 3 if reshard else 2
         bound = factor * (S - 1) / S * nparams * 4
         assert bound <= by_group[shard_g] <= 1.02 * bound, (by_group[shard_g], bound)
-        # one all-reduce of this rank's gradient shard (exact), ~ 2(R-1)/R * P/S
-        assert by_group[rep_g] == 2 * (R - 1) / R * shard_elems * 4, (by_group[rep_g], shard_elems)
+        # one all-reduce of this rank's gradient shard (exact), ~ 2(R-1)/R * P/S, and
+        # the unused-parameter flags (one fp32 per trainable parameter)
+        flags = sum(len(b.trainable) for g in engine.groups for b in g.bufs)
+        want = 2 * (R - 1) / R * (shard_elems + flags) * 4
+        assert by_group[rep_g] == want, (by_group[rep_g], shard_elems, flags)
         rep_bound = 2 * (R - 1) / R * nparams / S * 4
         assert abs(by_group[rep_g] - rep_bound) <= 0.02 * rep_bound, (by_group[rep_g], rep_bound)
         assert engine.extra_copy_bytes == 0

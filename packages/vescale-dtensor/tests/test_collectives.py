@@ -64,6 +64,10 @@ def _all_gather_uneven_body(dtype, method):
     # even sizes take the plain all-gather path
     even = _inputs([(2, 3)] * ws, dtype, seed=3)
     assert torch.equal(all_gather_uneven(even[rank], method=method), torch.cat(even))
+    # one-element pieces of a 1-D tensor (the all_to_all path once sent a stride-0 buffer)
+    ones = [torch.full((1 if r % 2 == 0 else 3 + r,), float(r), dtype=dtype) for r in range(ws)]
+    got = all_gather_uneven(ones[rank], sizes=[t.numel() for t in ones], method=method)
+    assert torch.equal(got, torch.cat(ones))
     # every rank empty: no communication, right shape
     assert all_gather_uneven(torch.empty(0, 4, dtype=dtype), sizes=[0] * ws).shape == (0, 4)
 

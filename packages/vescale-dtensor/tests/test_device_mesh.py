@@ -170,6 +170,16 @@ def test_mesh_groups_get_the_configured_timeout():
         set_default_timeout(None)
 
 
+@distributed(4)
+def test_mesh_dim_groups_get_the_timeout_when_the_caller_made_the_default_group():
+    # The pool created the default group itself and configured nothing: the groups that
+    # torch creates for the mesh dims still get vescale's timeout, not torch's 30 min.
+    mesh = init_device_mesh("cpu", (2, 2))
+    for dim in range(2):
+        backend = mesh.get_group(dim)._get_backend(torch.device("cpu"))
+        assert backend.options._timeout.total_seconds() == get_default_timeout()
+
+
 # --------------------------------------------------------------------------- torchrun
 
 
@@ -188,3 +198,27 @@ def test_mesh_under_torchrun_with_no_setup():
         expect_marker="DEVICE_MESH_SMOKE_OK",
     )
     assert result.stdout.count("DEVICE_MESH_SMOKE_OK") == 4
+
+
+# --------------------------------------------------------------------------- agreement
+
+
+@distributed(4, timeout=30)
+def test_ranks_that_disagree_on_the_mesh_all_raise():
+    from vescale.dtensor import MeshMismatchError
+
+    rank = dist.get_rank()
+    with pytest.raises(MeshMismatchError) as err:
+        init_device_mesh("cpu", (2, 2) if rank < 2 else (4,))
+    msg = str(err.value)
+    assert "ranks [0, 1] built a 'cpu' mesh of shape (2, 2) with ranks [[0, 1], [2, 3]]" in msg
+    assert "ranks [2, 3] built a 'cpu' mesh of shape (4,) with ranks [0, 1, 2, 3]" in msg
+    assert isinstance(err.value, ValueError) and err.value.versions
+    layout = [[0, 1], [2, 3]] if rank != 3 else [[0, 2], [1, 3]]
+    with pytest.raises(MeshMismatchError, match=r"ranks \[3\] built .* \[\[0, 2\], \[1, 3\]\]"):
+        DeviceMesh("cpu", layout)
+    names = ("dp", "tp") if rank else ("tp", "dp")
+    with pytest.raises(MeshMismatchError, match=r"ranks \[0\] built .*\('tp', 'dp'\)"):
+        init_device_mesh("cpu", (2, 2), mesh_dim_names=names)
+    mesh = init_device_mesh("cpu", (2, 2))  # agreeing ranks still build meshes afterwards
+    assert mesh.shape == (2, 2)

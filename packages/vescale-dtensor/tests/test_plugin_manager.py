@@ -1,3 +1,5 @@
+import os
+
 import pytest
 import torch
 
@@ -109,3 +111,54 @@ def test_no_step_is_a_clear_error_naming_both_placements():
     with pytest.raises(NotImplementedError) as err:
         d.redistribute(mesh, [NoGeometry()])
     assert "OwnerOnly" in str(err.value) and "NoGeometry" in str(err.value)
+
+
+def test_broken_entry_points_are_reported_once_and_the_rest_keep_working(tmp_path):
+    """An entry point that fails to import, and one whose hook has no spec, are skipped."""
+    import subprocess
+    import sys
+    import textwrap
+
+    for name, body in {
+        "broken_vescale_plugin": "raise ImportError('this plugin is broken on purpose')\n",
+        "typo_vescale_plugin": (
+            "from vescale.dtensor import hookimpl\n\n"
+            "@hookimpl\ndef vescale_register_placement():  # typo: no such hook\n    return []\n"
+        ),
+    }.items():
+        info = tmp_path / f"{name}-0.1.dist-info"
+        info.mkdir()
+        (info / "METADATA").write_text(f"Metadata-Version: 2.1\nName: {name}\nVersion: 0.1\n")
+        (info / "entry_points.txt").write_text(f"[vescale]\n{name[:-15]} = {name}\n")
+        (tmp_path / f"{name}.py").write_text(body)
+    script = textwrap.dedent(
+        f"""
+        import warnings
+        import torch
+        warnings.simplefilter("always")
+        with warnings.catch_warnings(record=True) as caught:
+            import vescale.checkpoint as vckpt
+            from vescale.dtensor import placement_registry
+            assert "RaggedShard" in placement_registry()  # an entry-point plugin
+            for step in (1, 2):
+                vckpt.save({str(tmp_path / "ckpt")!r}, {{"t": torch.full((3,), float(step))}})
+            state = {{"t": torch.zeros(3)}}
+            vckpt.load({str(tmp_path / "ckpt")!r}, state)
+            assert state["t"].tolist() == [2.0] * 3
+        for w in caught:
+            print("WARNING:", w.message)
+        print("PLUGINS_OK")
+        """
+    )
+    env = dict(
+        os.environ, PYTHONPATH=os.pathsep.join([str(tmp_path), os.environ.get("PYTHONPATH", "")])
+    )
+    out = subprocess.run(
+        [sys.executable, "-c", script], capture_output=True, text=True, env=env, timeout=120
+    )
+    assert "PLUGINS_OK" in out.stdout, out.stdout[-3000:] + out.stderr[-3000:]
+    warned = [line for line in out.stdout.splitlines() if line.startswith("WARNING:")]
+    broken = [w for w in warned if "'broken'" in w]
+    typo = [w for w in warned if "'typo'" in w]
+    assert len(broken) == 1 and "this plugin is broken on purpose" in broken[0], warned
+    assert len(typo) == 1 and "vescale_register_placement" in typo[0], warned

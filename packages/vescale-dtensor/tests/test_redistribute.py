@@ -167,6 +167,7 @@ def test_errors_before_any_communication():
         mesh = init_device_mesh("cpu", (2,))
         x = torch.randn(4, 4)
         d = distribute_tensor(x, mesh, [OwnerOnly(0)])
+        other = init_device_mesh("cpu", (2,), mesh_dim_names=("other",))  # one all-gather
         with CommDebugMode() as cm:
             with pytest.raises(ValueError, match="one placement per mesh dim"):
                 redistribute(d, mesh, [Replicate(), Replicate()])
@@ -175,9 +176,7 @@ def test_errors_before_any_communication():
             with pytest.raises(ValueError, match="Partial"):
                 redistribute(d, mesh, [Partial()])
             with pytest.raises(ValueError, match="keeps the mesh"):
-                d.redistribute(
-                    init_device_mesh("cpu", (2,), mesh_dim_names=("other",)), [Replicate()]
-                )
+                d.redistribute(other, [Replicate()])
         assert cm.get_total_counts() == 0
     finally:
         unregister_plugin(name="test-owner")

@@ -115,6 +115,7 @@ def _check_2d(mesh_shape):
     elems = RaggedShard((0, 1), _units(rng, n1))
     layouts = [
         (rows, Shard(1)),  # FSDP (whole rows) x TP (columns)
+        (rows, Shard(0)),  # veScale's FSDP x TP: tp rows first, ragged rows inside
         (Shard(1), elems),  # TP outer, element-granular ragged inner
         (Shard(0), RaggedShard((0,), _units(rng, n1))),
         (rows, RaggedShard((0,), _units(rng, n1))),
@@ -156,8 +157,15 @@ def test_composition_with_shard_8_ranks(mesh_shape):
 
 
 @distributed(4)
-def test_shard_through_a_cut_dim_is_an_error():
+def test_shard_of_a_dim_the_ragged_split_cuts_applies_first():
+    # veScale's FSDP x TP layout: the tp Shard is taken first, the ragged split over dp
+    # applies inside the tp-local tensor (it would otherwise cut through the dim).
     mesh = init_device_mesh("cpu", (2, 2))
-    x = torch.randn(8, 4)
-    with pytest.raises(ValueError, match="cut through"):
-        distribute_tensor(x, mesh, [RaggedShard((0, 1), (1, 1)), Shard(1)])
+    dp, tp = mesh.get_coordinate()
+    x = torch.arange(8 * 4, dtype=torch.float32).reshape(8, 4)
+    for rs, d in ((RaggedShard((0, 1), (1, 3)), 1), (RaggedShard((0,), (3, 1)), 0)):
+        dt = distribute_tensor(x, mesh, [rs, Shard(d)])
+        tp_local = x.chunk(2, dim=d)[tp]
+        expected = rs.shard(tp_local, 2, dp)
+        assert torch.equal(dt.to_local(), expected), (rs, d)
+        assert torch.equal(dt.full_tensor(), x)

@@ -11,7 +11,9 @@
 plugin placements (e.g. ``RaggedShard``) are saved as boxes of the global tensor, so
 they load into any other placement, mesh or a plain tensor. Placements are recorded
 by ``PLACEMENT_NAME`` plus dataclass fields in a JSON manifest; every chunk carries a
-CRC32; commits are atomic.
+CRC32; commits are atomic. Every error is a ``CheckpointError`` (an ``Exception``)
+naming the file, tensor or rank concerned; a load verifies that every element of every
+tensor it loads is saved somewhere and refuses silent dtype changes.
 """
 
 from vescale.checkpoint.__about__ import __version__
@@ -35,6 +37,7 @@ from vescale.checkpoint._storage import (
     VescaleFileSystemWriter,
     is_complete,
     read_manifest,
+    resolve_checkpoint,
 )
 from vescale.dtensor.chunks import flat_range_boxes, local_boxes
 
@@ -57,6 +60,7 @@ __all__ = [
     "storage_for",
     "is_complete",
     "read_manifest",
+    "resolve_checkpoint",
     "local_boxes",
     "flat_range_boxes",
 ]

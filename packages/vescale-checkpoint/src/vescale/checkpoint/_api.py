@@ -4,12 +4,16 @@ from __future__ import annotations
 
 import contextlib
 import os
+import re
 import shutil
 import threading
 import time
 import warnings
+from collections.abc import Mapping
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass, field
+from datetime import timedelta
+from pathlib import Path
 from typing import Any
 
 import torch
@@ -19,18 +23,22 @@ from torch.distributed.checkpoint.api import CheckpointException
 from torch.distributed.checkpoint.default_planner import DefaultLoadPlanner, DefaultSavePlanner
 from torch.distributed.checkpoint.metadata import TensorStorageMetadata
 
+from vescale.checkpoint import _compat
 from vescale.checkpoint._state import Stager, decode_value, flatten_state
 from vescale.checkpoint._storage import (
     CheckpointError,
     SaveLock,
     VescaleFileSystemReader,
     VescaleFileSystemWriter,
+    check_chunks,
     clean_stale,
     commit,
     new_manifest,
     read_manifest,
+    resolve_checkpoint,
     rotate,
 )
+from vescale.dtensor import get_default_timeout
 
 __all__ = [
     "save",
@@ -45,16 +53,20 @@ __all__ = [
 
 
 class CheckpointMismatchError(CheckpointError):
-    """The live state and the checkpoint disagree on keys or shapes.
+    """The live state and the checkpoint disagree on keys, shapes or dtypes.
 
     Attributes:
         missing: Keys of the live state that the checkpoint lacks.
         unexpected: Keys of the checkpoint that the live state lacks.
         mismatched: ``(key, checkpoint shape, live shape)`` for shape mismatches.
+        dtypes: ``(key, checkpoint dtype, live dtype, why)`` for dtype changes that
+            were not allowed (``why`` is ``""`` when ``allow_dtype_cast`` would allow it).
     """
 
-    def __init__(self, path: str, missing, unexpected, mismatched) -> None:
+    def __init__(self, path: str, missing, unexpected, mismatched, dtypes=()) -> None:
+        self.path = path
         self.missing, self.unexpected, self.mismatched = missing, unexpected, mismatched
+        self.dtypes = list(dtypes)
         lines = [f"checkpoint {path} does not match the state being loaded:"]
         if missing:
             lines.append(f"  missing keys (in the state, not in the checkpoint): {missing}")
@@ -65,8 +77,27 @@ class CheckpointMismatchError(CheckpointError):
                 "  mismatched shapes (key: checkpoint vs state): "
                 + ", ".join(f"{k}: {a} vs {b}" for k, a, b in mismatched)
             )
-        lines.append("Pass strict=False to load the matching keys only.")
+        if self.dtypes:
+            lines.append(
+                "  dtype changes (key: checkpoint vs state): "
+                + ", ".join(
+                    f"{k}: {_dtype_name(a)} vs {_dtype_name(b)}" + (f" ({why})" if why else "")
+                    for k, a, b, why in self.dtypes
+                )
+            )
+        if missing or unexpected or mismatched:
+            lines.append("Pass strict=False to load the matching keys only.")
+        if any(not why for *_, why in self.dtypes):
+            lines.append("Pass allow_dtype_cast=True (or {key regex: live dtype}) to cast on load.")
         super().__init__("\n".join(lines))
+
+    def __reduce__(self):  # picklable (DCP gathers exceptions from every rank)
+        args = (self.path, self.missing, self.unexpected, self.mismatched, self.dtypes)
+        return type(self), args
+
+
+def _dtype_name(dtype: torch.dtype) -> str:
+    return str(dtype).removeprefix("torch.")
 
 
 @dataclass
@@ -171,7 +202,8 @@ class SaveHandle:
 _pending: SaveHandle | None = None
 _stager = Stager()
 _pending_lock = threading.Lock()
-_async_groups: dict[tuple[int, ...] | None, tuple[Any, Any]] = {}
+# ranks (None: the world) -> (default group, async group, its timeout in seconds)
+_async_groups: dict[tuple[int, ...] | None, tuple[Any, Any, float]] = {}
 _executor: ThreadPoolExecutor | None = None
 _warned_sync_fallback = False
 
@@ -209,7 +241,7 @@ def _check_staged_everywhere(modified: list[str], group: Any, collective: bool) 
         bad = int(flag.item())
     if bad:
         where = f"{', '.join(modified[:5])}" if modified else "on another rank"
-        raise RuntimeError(
+        raise CheckpointError(
             "checkpoint save with staging='background' failed: tensors were written in "
             f"place while being staged ({where}); nothing was committed. Write saved "
             "tensors outside an optimizer step only after handle.wait_staged(), or use "
@@ -267,30 +299,37 @@ def _async_group(process_group: Any) -> Any:
 
     Background saves never issue a collective on a group the training thread may use:
     two threads issuing collectives on one group interleave them differently on
-    different ranks. The group is created once per set of ranks (a collective of those
-    ranks, on the caller's thread) and cached.
+    different ranks. The group is created once per set of ranks and timeout (a
+    collective of those ranks, on the caller's thread) and cached. Its collectives
+    time out after ``vescale.dtensor.get_default_timeout()`` seconds.
     """
-    default = dist.distributed_c10d._get_default_group()
+    default = _compat.default_group()
     if process_group is None or dist.get_world_size(process_group) == dist.get_world_size():
         ranks = None
     else:
         ranks = tuple(dist.get_process_group_ranks(process_group))
+    seconds = get_default_timeout()
     hit = _async_groups.get(ranks)
-    if hit is not None and hit[0] is default:
+    if hit is not None and hit[0] is default and hit[2] == seconds:
         try:
             dist.get_process_group_ranks(hit[1])  # KeyError once destroyed
             return hit[1]
         except (KeyError, ValueError, RuntimeError):
             pass
+    # The configured collective timeout (torch's default for a new gloo group is 30 min,
+    # and the interpreter waits for this thread at exit).
+    timeout = timedelta(seconds=seconds)
     if ranks is None:
-        group = dist.new_group(backend="gloo")
+        group = dist.new_group(backend="gloo", timeout=timeout)
     else:
         try:
             # Only the members call save(); the group's name is derived from its ranks.
-            group = dist.new_group(list(ranks), backend="gloo", use_local_synchronization=True)
+            group = dist.new_group(
+                list(ranks), backend="gloo", timeout=timeout, use_local_synchronization=True
+            )
         except (ValueError, RuntimeError):
             return None  # a group of the same ranks already holds that name
-    _async_groups[ranks] = (default, group)
+    _async_groups[ranks] = (default, group, seconds)
     return group
 
 
@@ -314,12 +353,52 @@ def _agree_save_id(group: Any, collective: bool) -> str:
     return f"{value:012x}"
 
 
-def _unwrap(exc: BaseException) -> BaseException:
+def _rank() -> int:
+    return dist.get_rank() if _dist_on() else 0
+
+
+def _as_checkpoint_error(exc: BaseException, doing: str) -> BaseException:
+    """The error a public call raises for ``exc`` raised inside DCP or a collective.
+
+    DCP reports failures as ``CheckpointException``, which derives only from
+    ``BaseException``, wrapping each failing rank's exception; every rank gets the same
+    one. It becomes the first failing rank's ``CheckpointError`` (which names its file
+    and tensor), or a ``CheckpointError`` carrying every failing rank's root cause. A
+    ``KeyboardInterrupt`` / ``SystemExit`` of this rank stays what it is. Other
+    exceptions (a collective's timeout) become a ``CheckpointError`` too.
+    """
+    if isinstance(exc, CheckpointError):
+        return exc
     if isinstance(exc, CheckpointException):
-        for _rank, (inner, _tb) in sorted(exc.failures.items()):
-            if isinstance(inner, CheckpointError):
-                return inner
-    return exc
+        failures = [(rank, inner) for rank, (inner, _tb) in sorted(exc.failures.items())]
+    elif isinstance(exc, Exception):
+        failures = [(_rank(), exc)]
+    else:
+        return exc
+    me = _rank()
+    for rank, inner in failures:
+        if rank == me and not isinstance(inner, Exception):
+            return inner
+    multi = _dist_on() and dist.get_world_size() > 1
+    where = f" on rank {failures[0][0]}" if multi else ""
+    for rank, inner in failures:
+        if isinstance(inner, CheckpointError):
+            msg = f"{doing} failed{f' on rank {rank}' if multi else ''}: {inner}"
+            try:
+                err = type(inner)(msg)
+            except TypeError:  # a subclass with its own constructor
+                err = CheckpointError(msg)
+            err.__cause__ = inner
+            return err
+    if len(failures) > 1:
+        where = " on ranks " + ", ".join(str(r) for r, _ in failures)
+    detail = "; ".join(
+        (f"rank {r}: " if len(failures) > 1 else "") + f"{type(e).__name__}: {e}"
+        for r, e in failures
+    )
+    err = CheckpointError(f"{doing} failed{where}: {detail}")
+    err.__cause__ = failures[0][1]
+    return err
 
 
 def _submit(fn) -> Future[str]:
@@ -343,6 +422,7 @@ def save(
     staging: str = "blocking",
     keep_last: int | None = None,
     process_group: Any = None,
+    async_checkpoint: bool | None = None,
 ) -> SaveHandle:
     """Save ``state`` to the directory ``path`` (a collective over all ranks).
 
@@ -384,10 +464,15 @@ def save(
             with its trailing number replaced by another (``step_100``: ``step_<n>``);
             a name without a trailing number rotates nothing.
         process_group: Group of the ranks that save (default: the world).
+        async_checkpoint: veScale's name for ``async_op``.
 
     Returns:
         A :class:`SaveHandle`; already done unless ``async_op``.
     """
+    if async_checkpoint is not None:
+        if async_op and not async_checkpoint:
+            raise ValueError("save: async_op=True and async_checkpoint=False disagree; pass one")
+        async_op = bool(async_checkpoint)
     global _pending, _warned_sync_fallback, _staging
     if staging not in ("blocking", "background"):
         raise ValueError(f"staging must be 'blocking' or 'background', got {staging!r}")
@@ -433,8 +518,13 @@ def save(
             out = _write(
                 path, writer, flat.tensors, manifest, save_id, group, keep_last, on, rank, world
             )
+        except (ValueError, TypeError):
+            raise  # bad input (flattening), named where it was found
         except BaseException as e:  # noqa: BLE001 - re-raised with DCP's wrapper removed
-            raise _unwrap(e) from None
+            err = _as_checkpoint_error(e, f"saving {path}")
+            if err is e:
+                raise
+            raise err from err.__cause__
         finally:
             stats["total_seconds"] = time.perf_counter() - t0
         stats["bytes_written"] = getattr(writer, "bytes_written", None)
@@ -512,8 +602,16 @@ def _write(path, writer, tensors, manifest, save_id, group, keep_last, on, rank,
                 clean_stale(path, save_id)
                 if keep_last is not None:
                     rotate(path, keep_last)
-            except BaseException as e:  # noqa: BLE001 - reported to every rank below
-                failed = e
+            except Exception as e:  # noqa: BLE001 - reported to every rank below
+                failed = (
+                    e
+                    if isinstance(e, CheckpointError)
+                    else CheckpointError(
+                        f"saving {path}: committing {target} failed: {type(e).__name__}: {e}"
+                    )
+                )
+                if failed is not e:
+                    failed.__cause__ = e
         if on and world > 1:
             if _broadcast_int(0 if failed is None else 1, group) and failed is None:
                 raise CheckpointError(
@@ -531,12 +629,59 @@ def _write(path, writer, tensors, manifest, save_id, group, keep_last, on, rank,
     return path
 
 
+def _is_float(dtype: torch.dtype) -> bool:
+    return dtype.is_floating_point or dtype.is_complex
+
+
+def _dtype_changes(
+    path: str, ckpt: dict[str, torch.dtype], live: dict[str, torch.dtype], allow: Any
+) -> list[tuple[str, torch.dtype, torch.dtype, str]]:
+    """The dtype changes among ``live`` keys that ``allow_dtype_cast`` does not allow."""
+    rules: list[tuple[re.Pattern[str], torch.dtype]] = []
+    if isinstance(allow, Mapping):
+        for pattern, dtype in allow.items():
+            if not isinstance(pattern, str) or not isinstance(dtype, torch.dtype):
+                raise TypeError(
+                    "allow_dtype_cast maps key regexes (str) to the live dtype they may be "
+                    f"cast to (torch.dtype), got {pattern!r}: {dtype!r}"
+                )
+            rx = re.compile(pattern)
+            if not any(rx.fullmatch(k) for k in ckpt):
+                raise ValueError(
+                    f"allow_dtype_cast: the pattern '{pattern}' matches no tensor of checkpoint "
+                    f"{path} (keys look like {sorted(ckpt)[:3]})"
+                )
+            rules.append((rx, dtype))
+    elif not isinstance(allow, bool):
+        raise TypeError(f"allow_dtype_cast must be a bool or a dict, got {allow!r}")
+    out = []
+    for k in sorted(live):
+        src, dst = ckpt[k], live[k]
+        if src == dst:
+            continue
+        if _is_float(src) and not _is_float(dst):
+            out.append((k, src, dst, "floating point to integer is never cast"))
+        elif src.is_complex and not dst.is_complex:
+            out.append((k, src, dst, "complex to real is never cast"))
+        elif allow is True:
+            continue
+        else:
+            target = next((d for rx, d in rules if rx.fullmatch(k)), None)
+            if target == dst:
+                continue
+            why = "" if target is None else f"allow_dtype_cast allows {_dtype_name(target)} only"
+            out.append((k, src, dst, why))
+    return out
+
+
 def load(
     path: str | os.PathLike,
     state: dict[str, Any],
     *,
     strict: bool = True,
+    allow_dtype_cast: bool | Mapping[str, torch.dtype] = False,
     process_group: Any = None,
+    broadcast_checkpoint: bool = False,
 ) -> LoadResult:
     """Load a checkpoint into the live objects of ``state``, in place (a collective).
 
@@ -544,20 +689,45 @@ def load(
     plain values are replaced in their containers; optimizers get their state and
     param groups back (keyed by parameter name).
 
+    Before anything is read, every rank checks the checkpoint against the state (keys,
+    shapes, dtypes) and the saved chunks of every tensor to load (they cover every
+    element, their byte lengths fit their shapes), so a bad checkpoint raises the same
+    error on every rank before any collective. A data file that is missing, not a
+    regular file, truncated or fails its checksum is found by the rank that reads it
+    and raised on every rank.
+
     Args:
-        path: A checkpoint directory written by :func:`save`.
+        path: A checkpoint directory written by `save`.
         state: Same structure as at save time (different placements are fine).
-        strict: Raise :class:`CheckpointMismatchError` on missing, unexpected or
+        strict: Raise `CheckpointMismatchError` on missing, unexpected or
             mismatched keys. With ``strict=False`` only the matching keys are loaded.
+        allow_dtype_cast: A tensor whose live dtype differs from its saved dtype is an
+            error (``CheckpointMismatchError``, whatever ``strict``) unless allowed:
+            ``True`` casts every such tensor; a dict ``{key regex: dtype}`` allows the
+            tensors whose key full-matches a regex to be cast to that (live) dtype. A
+            regex that matches no saved tensor is a ``ValueError``. Floating-point or
+            complex values are never cast to an integer (or bool) dtype, nor complex to
+            real.
         process_group: Group of the ranks that load (default: the world).
+        broadcast_checkpoint: Accepted for veScale programs (there: data-parallel rank
+            0 reads and broadcasts to its replicas). Here every rank reads the chunks it
+            needs; the loaded values are the same.
+
+    An optimizer's state in the checkpoint (an entry with ``param_groups``) whose name
+    ``state`` does not have is skipped, not unexpected: ``{"model": model}`` loads the
+    model from a full training checkpoint.
 
     Returns:
-        A :class:`LoadResult` listing missing, unexpected and mismatched keys.
+        A `LoadResult` listing missing, unexpected and mismatched keys.
 
     Raises:
         IncompleteCheckpointError: ``path`` is missing or was never committed.
-        CheckpointCorruptError: A checksum does not match (names file and tensor).
-        CheckpointMismatchError: Keys or shapes differ and ``strict`` is true.
+        CheckpointCorruptError: A checksum does not match, a chunk is missing, a file is
+            missing or not a regular file, or the metadata is malformed (names the file
+            and the tensor).
+        CheckpointMismatchError: Keys or shapes differ and ``strict`` is true, or a dtype
+            change is not allowed.
+        CheckpointError: Reading failed on some rank (names the rank and the root cause).
     """
     wait_pending()
     t0 = time.perf_counter()
@@ -565,6 +735,9 @@ def load(
     _writer, reader = storage_for(path)
     on = _dist_on()
     if isinstance(reader, VescaleFileSystemReader):
+        found = resolve_checkpoint(reader.path)
+        if found != Path(reader.path):  # the previous checkpoint of an interrupted commit
+            reader.reset(found)
         reader.manifest = read_manifest(reader.path)
         values = reader.manifest["values"]
     else:
@@ -579,6 +752,13 @@ def load(
     live = {k: list(t.shape) for k, t in flat.tensors.items()}
     missing = sorted((set(live) - set(ckpt_tensors)) | (set(flat.values) - set(values)))
     unexpected = sorted((set(ckpt_tensors) - set(live)) | (set(values) - set(flat.values)))
+    # an optimizer the caller did not ask for (a model-only load of a training checkpoint)
+    skipped = {
+        top
+        for top in {k.split(".", 1)[0] for k in unexpected}
+        if top not in state and f"{top}.param_groups" in values
+    }
+    unexpected = [k for k in unexpected if k.split(".", 1)[0] not in skipped]
     mismatched = sorted(
         (k, ckpt_tensors[k], live[k])
         for k in set(live) & set(ckpt_tensors)
@@ -588,6 +768,20 @@ def load(
         raise CheckpointMismatchError(path, missing, unexpected, mismatched)
     bad = {k for k, _, _ in mismatched}
     to_load = {k: t for k, t in flat.tensors.items() if k in ckpt_tensors and k not in bad}
+    md = metadata.state_dict_metadata
+    changes = _dtype_changes(
+        path,
+        {k: m.properties.dtype for k, m in md.items() if isinstance(m, TensorStorageMetadata)},
+        {k: t.dtype for k, t in to_load.items()},
+        allow_dtype_cast,
+    )
+    if changes:
+        raise CheckpointMismatchError(path, [], [], [], changes)
+    if isinstance(reader, VescaleFileSystemReader):
+        reader.validate(metadata, to_load)
+    else:
+        for k in to_load:
+            check_chunks(k, md[k], path)
     try:
         with warnings.catch_warnings():
             warnings.filterwarnings("ignore", message="torch.distributed is disabled")
@@ -598,8 +792,11 @@ def load(
                 process_group=process_group,
                 no_dist=not on,
             )
-    except BaseException as e:
-        raise _unwrap(e) from None
+    except BaseException as e:  # noqa: BLE001 - re-raised with DCP's wrapper removed
+        err = _as_checkpoint_error(e, f"loading {path}")
+        if err is e:
+            raise
+        raise err from err.__cause__
     for k, setter in flat.value_setters.items():
         if k in values:
             setter(decode_value(values[k]))

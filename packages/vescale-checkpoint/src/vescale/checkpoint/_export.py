@@ -14,7 +14,12 @@ import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint.default_planner import DefaultLoadPlanner
 from torch.distributed.checkpoint.metadata import TensorStorageMetadata
 
-from vescale.checkpoint._storage import VescaleFileSystemReader, read_manifest
+from vescale.checkpoint._api import _as_checkpoint_error
+from vescale.checkpoint._storage import (
+    VescaleFileSystemReader,
+    read_manifest,
+    resolve_checkpoint,
+)
 
 __all__ = ["export", "parse_size"]
 
@@ -75,6 +80,7 @@ def export(
     except ImportError as e:  # pragma: no cover - depends on the environment
         raise ImportError("export needs the safetensors package: pip install safetensors") from e
     limit = parse_size(max_shard_size)
+    path = resolve_checkpoint(path)
     manifest = read_manifest(path)
     reader = VescaleFileSystemReader(path, manifest)
     md = reader.read_metadata()
@@ -90,6 +96,7 @@ def export(
             names.append((key, key, tmd))
     if not names:
         raise ValueError(f"checkpoint {path} has no tensors under prefix {prefix!r}")
+    reader.validate(md, [key for _, key, _ in names])  # every element is saved somewhere
 
     def nbytes(tmd: TensorStorageMetadata) -> int:
         n = 1
@@ -125,9 +132,15 @@ def export(
         buf = {
             key: torch.empty(tuple(tmd.size), dtype=tmd.properties.dtype) for _, key, tmd in group
         }
-        with warnings.catch_warnings():
-            warnings.filterwarnings("ignore", message="torch.distributed is disabled")
-            dcp.load(buf, storage_reader=reader, planner=DefaultLoadPlanner(), no_dist=True)
+        try:
+            with warnings.catch_warnings():
+                warnings.filterwarnings("ignore", message="torch.distributed is disabled")
+                dcp.load(buf, storage_reader=reader, planner=DefaultLoadPlanner(), no_dist=True)
+        except BaseException as e:  # noqa: BLE001 - re-raised with DCP's wrapper removed
+            err = _as_checkpoint_error(e, f"exporting {path}")
+            if err is e:
+                raise
+            raise err from err.__cause__
         tensors: dict[str, torch.Tensor] = {}
         for name, key, _tmd in group:
             t = buf.pop(key)

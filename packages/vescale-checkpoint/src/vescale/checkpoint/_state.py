@@ -24,9 +24,9 @@ from torch.distributed.checkpoint.state_dict import (
     set_optimizer_state_dict,
 )
 from torch.distributed.tensor import DTensor, Partial, Replicate
-from torch.distributed.tensor.placement_types import _StridedShard
 
 from vescale.checkpoint._chunked import ChunkedTensor, chunked_from_dtensor
+from vescale.checkpoint._compat import StridedShard as _StridedShard
 from vescale.checkpoint._storage import check_storage
 from vescale.dtensor import PluginPlacement
 from vescale.dtensor.chunks import UnsupportedLayout, local_boxes
@@ -584,7 +584,12 @@ def flatten_state(
             if for_load and has_values:
                 flat.finishers.append(lambda m=obj, sd=sd: m.load_state_dict(sd))
             return
-        if isinstance(obj, torch.optim.Optimizer):
+        # An optimizer that defines its own state_dict (vescale's DistributedOptimizer
+        # keys its state by parameter name already) goes through the generic path below.
+        if (
+            isinstance(obj, torch.optim.Optimizer)
+            and type(obj).state_dict is torch.optim.Optimizer.state_dict
+        ):
             owner = _find_owner(obj, modules)
             if owner is not None:
                 osd = get_optimizer_state_dict(owner, obj)

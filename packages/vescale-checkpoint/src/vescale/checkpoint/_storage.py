@@ -13,9 +13,15 @@ What this adds to DCP's filesystem layer:
 - DCP's pickled ``.metadata`` is checksummed too and read with an allow-list
   unpickler (only DCP's metadata classes, ``torch.Size``, dtypes, layouts): loading a
   checkpoint never runs arbitrary code;
-- every file name taken from metadata must be a plain name inside the checkpoint dir;
+- every file name taken from metadata must be a plain name inside the checkpoint dir,
+  and only regular files are opened (a FIFO, device, directory or symlink leading
+  outside the checkpoint is refused, ``.metadata`` and the manifest included);
+- before DCP reads anything, every requested tensor's chunks are checked against the
+  metadata: they cover the whole tensor and their byte lengths match their shapes
+  (`VescaleFileSystemReader.validate`);
 - atomic commit: data goes to ``<path>.tmp-<id>``; rank 0 writes the manifest and a
-  ``COMPLETE`` marker there, then renames the directory to ``<path>``;
+  ``COMPLETE`` marker there, then renames the directory to ``<path>``; a crash between
+  the two renames of an overwrite is recovered by `resolve_checkpoint`;
 - cleanup of stale staging directories of crashed saves of the same path;
 - ``keep_last`` rotation over complete checkpoints of the same series (same parent
   directory, same name up to a trailing number).
@@ -24,22 +30,26 @@ What this adds to DCP's filesystem layer:
 from __future__ import annotations
 
 import dataclasses
+import errno
 import io
 import json
+import math
 import os
 import pickle
 import re
 import shutil
+import stat
 import time
 import zlib
+from collections.abc import Iterable, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Any
 
 import torch
 from torch.distributed.checkpoint import FileSystemReader, FileSystemWriter
-from torch.distributed.checkpoint.filesystem import _StorageInfo
-from torch.distributed.checkpoint.metadata import Metadata, TensorStorageMetadata
+from torch.distributed.checkpoint.filesystem import FileSystem
+from torch.distributed.checkpoint.metadata import Metadata, MetadataIndex, TensorStorageMetadata
 from torch.distributed.checkpoint.planner import (
     LoadItemType,
     LoadPlan,
@@ -51,6 +61,9 @@ from torch.distributed.checkpoint.planner import (
 from torch.distributed.checkpoint.storage import WriteResult
 from torch.futures import Future
 
+from vescale.checkpoint import _compat
+from vescale.checkpoint._compat import StorageInfo as _StorageInfo
+
 __all__ = [
     "CheckpointError",
     "CheckpointCorruptError",
@@ -60,6 +73,10 @@ __all__ = [
     "MANIFEST_NAME",
     "COMPLETE_NAME",
     "read_manifest",
+    "resolve_checkpoint",
+    "open_regular",
+    "check_chunks",
+    "uncovered_box",
     "commit",
     "rotate",
     "clean_stale",
@@ -169,6 +186,75 @@ def _safe_name(name: str, root: str | os.PathLike) -> str:
     return name
 
 
+_FILE_KINDS = (
+    (stat.S_ISDIR, "a directory"),
+    (stat.S_ISFIFO, "a FIFO"),
+    (stat.S_ISCHR, "a character device"),
+    (stat.S_ISBLK, "a block device"),
+    (stat.S_ISSOCK, "a socket"),
+)
+
+
+def _kind(mode: int) -> str:
+    return next((what for test, what in _FILE_KINDS if test(mode)), "not a regular file")
+
+
+def open_regular(root: str | os.PathLike, name: str, what: str = "") -> io.BufferedReader:
+    """Open ``root/name`` for reading if it is a regular file inside ``root``.
+
+    Symlinks are followed only while they stay inside ``root`` (the directory itself
+    may be a symlink). A FIFO, device, socket or directory is refused before it is
+    opened, and again on the opened descriptor (``O_NONBLOCK``, so opening a FIFO that
+    replaced the file in between cannot block).
+
+    Args:
+        root: The checkpoint directory.
+        name: A plain file name inside it.
+        what: What the file holds, for the error message (e.g. ``"tensor 'w'"``).
+
+    Raises:
+        CheckpointCorruptError: Missing, unreadable, not a regular file, or outside ``root``.
+    """
+    _safe_name(name, root)
+    where = os.path.join(os.fspath(root), name)
+    about = f" ({what})" if what else ""
+    real = os.path.realpath(where)
+    try:
+        mode = os.stat(real).st_mode
+        if not stat.S_ISREG(mode):
+            raise CheckpointCorruptError(
+                f"checkpoint file {where}{about} is not a regular file: it is {_kind(mode)}"
+            )
+        flags = os.O_RDONLY | getattr(os, "O_NONBLOCK", 0) | getattr(os, "O_NOFOLLOW", 0)
+        fd = os.open(real, flags | getattr(os, "O_CLOEXEC", 0))
+    except FileNotFoundError:
+        raise CheckpointCorruptError(f"checkpoint file {where}{about} is missing") from None
+    except OSError as e:
+        raise CheckpointCorruptError(
+            f"cannot open checkpoint file {where}{about}: {e.strerror or e}"
+        ) from None
+    try:
+        mode = os.fstat(fd).st_mode
+        if not stat.S_ISREG(mode):
+            raise CheckpointCorruptError(
+                f"checkpoint file {where}{about} is not a regular file: it is {_kind(mode)}"
+            )
+        os.set_blocking(fd, True)
+        return os.fdopen(fd, "rb")
+    except BaseException:
+        os.close(fd)
+        raise
+
+
+def _read_regular(root: str | os.PathLike, name: str, what: str = "") -> bytes:
+    with open_regular(root, name, what) as f:
+        try:
+            return f.read()
+        except OSError as e:
+            where = os.path.join(os.fspath(root), name)
+            raise CheckpointCorruptError(f"cannot read checkpoint file {where}: {e}") from None
+
+
 # --------------------------------------------------------------------------- writer
 def check_storage(t: torch.Tensor, key: str) -> None:
     """Raise if ``t``'s storage is smaller than its view (e.g. freed with ``resize_(0)``).
@@ -213,7 +299,7 @@ def _buckets(items: list, n: int) -> list[list]:
         numel = 1
         for s in it.tensor_data.chunk.sizes:
             numel *= s
-        return numel * torch._utils._element_size(it.tensor_data.properties.dtype)
+        return numel * _compat.element_size(it.tensor_data.properties.dtype)
 
     out: list[list] = [[] for _ in range(min(n, len(items)))]
     load = [0] * len(out)
@@ -260,32 +346,44 @@ class VescaleFileSystemWriter(FileSystemWriter):
     def _write_file(self, file_name: str, items: list, planner: SavePlanner) -> list[WriteResult]:
         results = []
         offset = 0
-        with self.fs.create_stream(self.fs.concat_path(self.path, file_name), "wb") as stream:
-            for item in items:
-                data = planner.resolve_data(item)
-                if item.type == WriteItemType.BYTE_IO:
-                    buf = memoryview(data.getbuffer()).cast("B")
-                else:
-                    buf = tensor_bytes(data)
-                crc = crc32(buf)
-                stream.write(buf)
-                n = buf.nbytes
-                results.append(
-                    WriteResult(
-                        index=item.index,
-                        size_in_bytes=n,
-                        storage_data=_CheckedStorageInfo(
-                            file_name, offset, n, [RAW_DESCRIPTOR], crc
-                        ),
+        current: str | None = None  # the tensor being written, for the error message
+        try:
+            with self.fs.create_stream(self.fs.concat_path(self.path, file_name), "wb") as stream:
+                for item in items:
+                    current = item.index.fqn
+                    data = planner.resolve_data(item)
+                    if item.type == WriteItemType.BYTE_IO:
+                        buf = memoryview(data.getbuffer()).cast("B")
+                    else:
+                        buf = tensor_bytes(data)
+                    crc = crc32(buf)
+                    stream.write(buf)
+                    n = buf.nbytes
+                    results.append(
+                        WriteResult(
+                            index=item.index,
+                            size_in_bytes=n,
+                            storage_data=_CheckedStorageInfo(
+                                file_name, offset, n, [RAW_DESCRIPTOR], crc
+                            ),
+                        )
                     )
-                )
-                offset += n
-            stream.flush()
-            if self.sync_files:
-                try:
-                    os.fsync(stream.fileno())
-                except (AttributeError, io.UnsupportedOperation):
-                    os.sync()
+                    offset += n
+                current = None
+                stream.flush()
+                if self.sync_files:
+                    try:
+                        os.fsync(stream.fileno())
+                    except (AttributeError, io.UnsupportedOperation):
+                        os.sync()
+        except OSError as e:
+            where = os.path.join(os.fspath(self.path), file_name)
+            doing = f"writing tensor {current!r} to" if current else "flushing"
+            code = errno.errorcode.get(e.errno, "") if e.errno else ""
+            raise CheckpointError(
+                f"{doing} checkpoint file {where} failed: {code + ' ' if code else ''}"
+                f"{e.strerror or e}"
+            ) from e
         return results
 
     def write_data(self, plan: SavePlan, planner: SavePlanner) -> Future[list[WriteResult]]:
@@ -378,54 +476,164 @@ class _MetadataUnpickler(pickle.Unpickler):
         return super().find_class(module, name)
 
 
-def safe_load_metadata(data: bytes) -> Metadata:
-    """Unpickle DCP metadata allowing only DCP's metadata classes and torch value types."""
-    md = _MetadataUnpickler(io.BytesIO(data)).load()
+def safe_load_metadata(data: bytes, where: str | os.PathLike = "") -> Metadata:
+    """Unpickle DCP metadata allowing only DCP's metadata classes and torch value types.
+
+    Args:
+        data: The pickled ``Metadata``.
+        where: The file it came from (for error messages).
+
+    Raises:
+        CheckpointCorruptError: Not a pickled ``Metadata`` or refers to another type.
+    """
+    name = f" in {os.fspath(where)}" if where else ""
+    try:
+        md = _MetadataUnpickler(io.BytesIO(data)).load()
+    except CheckpointCorruptError as e:
+        raise CheckpointCorruptError(f"{e}{name}") from None
+    except Exception as e:  # noqa: BLE001 - any unpickling failure means a bad file
+        raise CheckpointCorruptError(
+            f"checkpoint metadata{name} cannot be unpickled: {type(e).__name__}: {e}"
+        ) from None
     if not isinstance(md, Metadata):
-        raise CheckpointCorruptError(f"checkpoint metadata is a {type(md).__name__}, not Metadata")
+        raise CheckpointCorruptError(
+            f"checkpoint metadata{name} is a {type(md).__name__}, not Metadata"
+        )
     return md
 
 
 # --------------------------------------------------------------------------- manifest
-def is_complete(path: str | os.PathLike) -> bool:
-    """True if ``path`` is a committed vescale checkpoint directory."""
-    p = Path(path)
+def _is_complete_dir(p: Path) -> bool:
     return (p / COMPLETE_NAME).is_file() and (p / MANIFEST_NAME).is_file()
 
 
+def _created_ns(p: Path) -> int:
+    try:
+        created = json.loads((p / COMPLETE_NAME).read_text())["created_ns"]
+    except (OSError, ValueError, KeyError, TypeError):
+        return -1
+    return created if isinstance(created, int) else -1
+
+
+def resolve_checkpoint(path: str | os.PathLike) -> Path:
+    """The directory that holds the committed checkpoint ``path``.
+
+    That is ``path`` itself, except after a crash inside the commit of a save that
+    overwrote ``path``: the previous checkpoint was moved to ``<path>.old-<id>`` and the
+    crash came before the new one was renamed to ``path``. The previous checkpoint is
+    then still the committed one (the new one never reached ``path``), so its directory
+    is returned; the next successful save of ``path`` removes it.
+
+    Returns:
+        ``path``, or the ``<path>.old-<id>`` directory holding its committed checkpoint.
+    """
+    p = Path(path)
+    if p.exists():
+        return p
+    best: tuple[int, Path] | None = None
+    try:
+        entries = list(p.parent.iterdir())
+    except OSError:
+        return p
+    for d in entries:
+        if not d.name.startswith(p.name + "."):
+            continue
+        m = _TMP_RE.fullmatch(d.name[len(p.name) :])
+        if m is None or m.group(1) != "old" or not d.is_dir() or not _is_complete_dir(d):
+            continue
+        created = _created_ns(d)
+        if best is None or created > best[0]:
+            best = (created, d)
+    return p if best is None else best[1]
+
+
+def is_complete(path: str | os.PathLike) -> bool:
+    """True if ``path`` is a committed vescale checkpoint (see `resolve_checkpoint`)."""
+    return _is_complete_dir(resolve_checkpoint(path))
+
+
+def _parse_json(p: Path, name: str, raw: bytes) -> dict[str, Any]:
+    try:
+        obj = json.loads(raw)
+    except (ValueError, UnicodeDecodeError) as e:
+        raise CheckpointCorruptError(f"checkpoint file {p / name} is not valid JSON: {e}") from None
+    if not isinstance(obj, dict):
+        raise CheckpointCorruptError(
+            f"checkpoint file {p / name} is not a JSON object (it holds a {type(obj).__name__})"
+        )
+    return obj
+
+
+def _is_int(v: Any) -> bool:
+    return isinstance(v, int) and not isinstance(v, bool)
+
+
+def _check_manifest(p: Path, manifest: dict[str, Any]) -> None:
+    where = p / MANIFEST_NAME
+
+    def bad(what: str) -> CheckpointCorruptError:
+        return CheckpointCorruptError(f"checkpoint file {where}: {what}")
+
+    if manifest.get("format") != FORMAT or manifest.get("version") != FORMAT_VERSION:
+        raise bad(
+            f"unknown format {manifest.get('format')!r} version {manifest.get('version')!r} "
+            f"(expected {FORMAT!r} version {FORMAT_VERSION})"
+        )
+    for key, typ in (("chunks", list), ("values", dict), ("tensors", dict)):
+        if not isinstance(manifest.get(key), typ):
+            raise bad(f"{key!r} is missing or not a JSON {'array' if typ is list else 'object'}")
+    if not _is_int(manifest.get("metadata_crc32")):
+        raise bad("'metadata_crc32' is missing or not an integer")
+    for i, rec in enumerate(manifest["chunks"]):
+        if not isinstance(rec, dict):
+            raise bad(f"chunks[{i}] is not a JSON object")
+        ok = (
+            isinstance(rec.get("fqn"), str)
+            and isinstance(rec.get("file"), str)
+            and all(_is_int(rec.get(k)) and rec[k] >= 0 for k in ("offset", "length"))
+            and (rec.get("crc32") is None or _is_int(rec["crc32"]))
+            and (
+                rec.get("offsets") is None
+                or (isinstance(rec["offsets"], list) and all(map(_is_int, rec["offsets"])))
+            )
+        )
+        if not ok:
+            raise bad(
+                f"chunks[{i}] is malformed (expected fqn, file, offset, length, crc32, "
+                f"offsets), got {rec!r}"
+            )
+        _safe_name(rec["file"], p)
+
+
 def read_manifest(path: str | os.PathLike) -> dict[str, Any]:
-    """Read and validate the JSON manifest of a complete checkpoint.
+    """Read and validate the JSON manifest of the complete checkpoint in directory ``path``.
 
     Raises:
         IncompleteCheckpointError: No checkpoint, or one that was never committed.
-        CheckpointCorruptError: The manifest does not match its ``COMPLETE`` marker or is
-            malformed.
+        CheckpointCorruptError: The manifest does not match its ``COMPLETE`` marker, or
+            the marker or manifest is not a regular file, not JSON or malformed (the
+            message names the file).
     """
     p = Path(path)
     if not p.is_dir():
         raise IncompleteCheckpointError(f"no checkpoint at {p} (not a directory)")
-    if not (p / COMPLETE_NAME).is_file():
+    if not os.path.lexists(p / COMPLETE_NAME):
         raise IncompleteCheckpointError(
             f"checkpoint {p} is incomplete: no {COMPLETE_NAME} marker (the save that wrote it "
             "did not finish, or this is a staging directory)"
         )
-    try:
-        marker = json.loads((p / COMPLETE_NAME).read_text())
-        raw = (p / MANIFEST_NAME).read_bytes()
-    except (OSError, ValueError) as e:
-        raise CheckpointCorruptError(f"checkpoint {p}: unreadable marker or manifest: {e}") from e
-    if crc32(raw) != marker.get("manifest_crc32"):
+    marker = _parse_json(p, COMPLETE_NAME, _read_regular(p, COMPLETE_NAME, "commit marker"))
+    raw = _read_regular(p, MANIFEST_NAME, "manifest")
+    if not _is_int(marker.get("manifest_crc32")):
+        raise CheckpointCorruptError(
+            f"checkpoint file {p / COMPLETE_NAME}: 'manifest_crc32' is missing or not an integer"
+        )
+    if crc32(raw) != marker["manifest_crc32"]:
         raise CheckpointCorruptError(
             f"checkpoint {p}: {MANIFEST_NAME} does not match the checksum in {COMPLETE_NAME}"
         )
-    manifest = json.loads(raw)
-    if manifest.get("format") != FORMAT or manifest.get("version") != FORMAT_VERSION:
-        raise CheckpointCorruptError(
-            f"checkpoint {p}: unknown format {manifest.get('format')!r} "
-            f"version {manifest.get('version')!r}"
-        )
-    for rec in manifest["chunks"]:
-        _safe_name(rec["file"], p)
+    manifest = _parse_json(p, MANIFEST_NAME, raw)
+    _check_manifest(p, manifest)
     return manifest
 
 
@@ -453,7 +661,9 @@ def commit(staging: str | os.PathLike, final: str | os.PathLike, manifest: dict[
     """Write manifest + ``COMPLETE`` into ``staging`` and atomically rename it to ``final``.
 
     Called on one rank after every rank finished writing. An existing ``final`` is
-    moved aside first and deleted only after the new checkpoint is in place.
+    moved aside to ``<final>.old-<id>`` first and deleted only after the new checkpoint
+    is in place; a crash between the two renames is recovered by
+    `resolve_checkpoint`, which then returns the previous checkpoint.
     """
     staging, final = Path(staging), Path(final)
     manifest = dict(manifest)
@@ -462,17 +672,20 @@ def commit(staging: str | os.PathLike, final: str | os.PathLike, manifest: dict[
     _write_synced(staging / MANIFEST_NAME, raw)
     marker = {"created_ns": manifest["created_ns"], "manifest_crc32": crc32(raw)}
     _write_synced(staging / COMPLETE_NAME, json.dumps(marker).encode())
-    try:
-        os.unlink(staging / LOCK_NAME)  # the saver still holds its fd until it returns
-    except FileNotFoundError:
-        pass
     _fsync_dir(staging)
     old = None
     if final.exists():
         old = final.with_name(f"{final.name}.old-{manifest['save_id']}")
         os.rename(final, old)
+    # A crash here leaves no `final`: resolve_checkpoint() finds the previous one at `old`.
     os.rename(staging, final)
     _fsync_dir(final.parent)
+    try:
+        # Removed only now: a crash before the rename leaves a staging directory whose
+        # lock no live process holds, which the next save of `final` deletes.
+        os.unlink(final / LOCK_NAME)  # the saver still holds its fd until it returns
+    except FileNotFoundError:
+        pass
     if old is not None:
         shutil.rmtree(old, ignore_errors=True)
 
@@ -619,6 +832,93 @@ def new_manifest(save_id: str, world_size: int) -> dict[str, Any]:
     }
 
 
+# --------------------------------------------------------------------------- coverage
+Box = tuple[list[int], list[int]]
+
+
+def _gap(lo: list[int], hi: list[int], boxes: list[Box], d: int) -> Box | None:
+    """A box inside ``[lo, hi)`` that none of ``boxes`` (all inside it) covers, or ``None``.
+
+    Sweeps dim ``d``: between consecutive box boundaries the set of boxes crossing the
+    slab is constant, and the slab is covered iff that set covers it in dims ``d+1..``.
+    """
+    if not boxes:
+        return list(lo), [h - a for a, h in zip(lo, hi)]
+    if d == len(lo):
+        return None
+    cuts = {lo[d], hi[d]}
+    for b_lo, b_hi in boxes:
+        cuts.add(b_lo[d])
+        cuts.add(b_hi[d])
+    order = sorted(boxes, key=lambda b: b[0][d])
+    active: list[Box] = []
+    seen: set[tuple[int, ...]] = set()
+    nxt = 0
+    edges = sorted(cuts)
+    for a, b in zip(edges, edges[1:]):
+        while nxt < len(order) and order[nxt][0][d] <= a:
+            active.append(order[nxt])
+            nxt += 1
+        active = [x for x in active if x[1][d] > a]
+        ids = tuple(sorted(map(id, active)))
+        if ids in seen:  # the same boxes cross an earlier slab, which they covered
+            continue
+        seen.add(ids)
+        sub_lo, sub_hi = list(lo), list(hi)
+        sub_lo[d], sub_hi[d] = a, b
+        gap = _gap(sub_lo, sub_hi, active, d + 1)
+        if gap is not None:
+            return gap
+    return None
+
+
+def uncovered_box(shape: Sequence[int], chunks: Iterable[Box]) -> Box | None:
+    """``(offsets, sizes)`` of a box of a ``shape`` tensor that no chunk covers, or ``None``.
+
+    Args:
+        shape: The tensor's shape.
+        chunks: ``(offsets, sizes)`` of the saved chunks (they may overlap).
+    """
+    shape = [int(s) for s in shape]
+    if any(s == 0 for s in shape):
+        return None
+    boxes: list[Box] = []
+    for off, size in chunks:
+        b_lo = [max(0, int(o)) for o in off]
+        b_hi = [min(h, int(o) + int(s)) for o, s, h in zip(off, size, shape)]
+        if all(a < b for a, b in zip(b_lo, b_hi)):
+            boxes.append((b_lo, b_hi))
+    return _gap([0] * len(shape), shape, boxes, 0)
+
+
+def check_chunks(key: str, md: TensorStorageMetadata, where: str | os.PathLike) -> None:
+    """Raise unless the saved chunks of tensor ``key`` lie inside it and cover every element.
+
+    Raises:
+        CheckpointCorruptError: Naming the tensor and a chunk outside it, or a box that
+            no chunk covers (a load would leave those elements unchanged).
+    """
+    shape = list(md.size)
+    for c in md.chunks:
+        off, size = list(c.offsets), list(c.sizes)
+        if (
+            len(off) != len(shape)
+            or len(size) != len(shape)
+            or any(o < 0 or s < 0 or o + s > h for o, s, h in zip(off, size, shape))
+        ):
+            raise CheckpointCorruptError(
+                f"checkpoint {where}: tensor {key!r} of shape {shape} has a chunk at offsets "
+                f"{off} with sizes {size} that does not lie inside it"
+            )
+    gap = uncovered_box(shape, ((c.offsets, c.sizes) for c in md.chunks))
+    if gap is not None:
+        raise CheckpointCorruptError(
+            f"checkpoint {where}: tensor {key!r} of shape {shape} is not covered by its saved "
+            f"chunks: no chunk holds the box at offsets {gap[0]} with sizes {gap[1]} "
+            f"(the metadata lost a chunk)"
+        )
+
+
 # --------------------------------------------------------------------------- reader
 class VescaleFileSystemReader(FileSystemReader):
     """DCP's filesystem reader with checksum verification and safe metadata loading.
@@ -677,12 +977,52 @@ class VescaleFileSystemReader(FileSystemReader):
 
     def read_metadata(self, *args: Any, **kwargs: Any) -> Metadata:
         path = Path(self.path) / METADATA_NAME
-        data = path.read_bytes()
+        data = _read_regular(self.path, METADATA_NAME, "DCP metadata")
         if crc32(data) != self.manifest.get("metadata_crc32"):
             raise CheckpointCorruptError(
                 f"checksum mismatch in file {path} (DCP metadata of the checkpoint)"
             )
-        return safe_load_metadata(data)
+        return safe_load_metadata(data, where=path)
+
+    def validate(self, metadata: Metadata, keys: Iterable[str]) -> None:
+        """Check the saved chunks of the tensors ``keys`` before DCP reads any of them.
+
+        Only the metadata is read, and every rank of a load reads the same, so a bad
+        checkpoint raises the same error on every rank before any collective. Checked per
+        tensor: its chunks lie inside it and cover every element (`check_chunks`); each
+        chunk has a storage entry in the raw format, in a file with a plain name, whose
+        byte length is what the chunk's sizes and dtype need (so a tampered length cannot
+        make a reader allocate more than the tensor). The files themselves are checked as
+        they are opened (`open_regular`: missing, not a regular file, outside the
+        checkpoint) and read (truncated, checksum); DCP reports such a failure on one
+        rank to every rank.
+
+        Raises:
+            CheckpointCorruptError: Naming the tensor, the chunk and the file.
+        """
+        for key in keys:
+            md = metadata.state_dict_metadata.get(key)
+            if not isinstance(md, TensorStorageMetadata):
+                continue
+            check_chunks(key, md, self.path)
+            itemsize = md.properties.dtype.itemsize
+            for c in md.chunks:
+                box = f"tensor {key!r} (chunk at offsets {list(c.offsets)}, sizes {list(c.sizes)})"
+                si = metadata.storage_data.get(MetadataIndex(key, c.offsets))
+                if si is None:
+                    raise CheckpointCorruptError(
+                        f"checkpoint {self.path}: {box} has no storage entry in {METADATA_NAME}"
+                    )
+                self._check_format(si)
+                _safe_name(si.relative_path, self.path)
+                where = os.path.join(os.fspath(self.path), si.relative_path)
+                need = math.prod(c.sizes) * itemsize
+                if si.length != need or si.offset < 0:
+                    dtype = str(md.properties.dtype).removeprefix("torch.")
+                    raise CheckpointCorruptError(
+                        f"checkpoint file {where}: {box} needs {need} bytes of {dtype}, but "
+                        f"{METADATA_NAME} gives it {si.length} bytes at offset {si.offset}"
+                    )
 
     def set_up_storage_reader(self, metadata: Metadata, is_coordinator: bool, *args, **kwargs):
         super().set_up_storage_reader(metadata, is_coordinator, *args, **kwargs)
@@ -741,6 +1081,13 @@ class VescaleFileSystemReader(FileSystemReader):
                 f"{RAW_DESCRIPTOR!r} chunks written by VescaleFileSystemWriter only"
             )
 
+    def _open_data(self, rel: str, reqs: list) -> Any:
+        if type(self.fs) is not FileSystem:  # a subclass brought its own filesystem
+            return self.fs.create_stream(self.fs.concat_path(self.path, rel), "rb")
+        fqns = sorted({req.storage_index.fqn for _, req in reqs})
+        what = "tensor " + ", ".join(map(repr, fqns[:3])) + (" ..." if len(fqns) > 3 else "")
+        return open_regular(self.path, rel, what)
+
     def read_data(self, plan: LoadPlan, planner: LoadPlanner) -> Future[None]:
         """Read every requested chunk, verifying its CRC32 on the buffer it is read into.
 
@@ -756,7 +1103,7 @@ class VescaleFileSystemReader(FileSystemReader):
             per_file.setdefault(sinfo.relative_path, []).append((sinfo.offset, req))
         for rel, reqs in per_file.items():
             reqs.sort(key=lambda x: x[0])
-            with self.fs.create_stream(self.fs.concat_path(self.path, rel), "rb") as stream:
+            with self._open_data(rel, reqs) as stream:
                 scratch_at: int | None = None
                 scratch: torch.Tensor | None = None
                 for _off, req in reqs:

@@ -6,7 +6,8 @@ DTensors with the planned placements, forward hooks move planned module inputs a
 outputs to their placements, plain tensors created inside ``forward`` act as
 replicated, and ``Partial`` gradients (sequence parallelism) are reduced, bucketed,
 after every backward. With no plan, a Megatron tensor(+sequence)-parallel plan is
-derived from the model's structure through the ``vescale_sharding_plan`` hook.
+derived from the model's structure through the ``vescale_sharding_plan`` hook. torch's
+``ParallelStyle`` plans (``{"fc1": ColwiseParallel(), ...}``) are accepted too.
 
 Data parallelism is chosen per named mesh dim with ``data_parallel={"dp": "ddp"}`` or
 ``{"dp": "fsdp"}`` (or directly with :func:`replicate` / :func:`fully_shard`): DDP with
@@ -24,9 +25,11 @@ from vescale.dmodule._api import DModule, dump_plan, is_dmodule, parallelize_mod
 from vescale.dmodule._auto_plan import default_sharding_plan
 from vescale.dmodule._ddp import replicate
 from vescale.dmodule._dp_common import MixedPrecision, dp_memory_bytes
+from vescale.dmodule._dp_module import FullyShardedModule, ReplicatedModule
 from vescale.dmodule._fsdp import fully_shard, get_dp_engine, no_sync
 from vescale.dmodule._loss import vocab_parallel_cross_entropy
-from vescale.dmodule._plan import SECTIONS
+from vescale.dmodule._plan import SECTIONS, PlanSectionError
+from vescale.dmodule._torch_styles import TorchStyleError
 
 __all__ = [
     "__version__",
@@ -37,11 +40,15 @@ __all__ = [
     "default_sharding_plan",
     "vocab_parallel_cross_entropy",
     "SECTIONS",
+    "PlanSectionError",
+    "TorchStyleError",
     "fully_shard",
     "replicate",
     "no_sync",
     "get_dp_engine",
     "MixedPrecision",
+    "FullyShardedModule",
+    "ReplicatedModule",
     "dp_memory_bytes",
     "apply_activation_checkpointing",
 ]

@@ -37,6 +37,8 @@ import torch
 from torch import nn
 from torch.utils.checkpoint import checkpoint
 
+from vescale.dmodule import _compat
+
 __all__ = ["apply_activation_checkpointing", "resolve_checkpoint_modules", "is_checkpointed"]
 
 _AC_ATTR = "_vescale_activation_checkpoint"
@@ -188,7 +190,13 @@ def _checkpointed_forward(self: nn.Module, *args: Any, **kwargs: Any) -> Any:
 def _engines(root: nn.Module) -> list[Any]:
     from vescale.dmodule._dp_common import DP_STATE_ATTR
 
-    return [m.__dict__[DP_STATE_ATTR] for m in root.modules() if DP_STATE_ATTR in m.__dict__]
+    out: list[Any] = []
+    for m in root.modules():
+        engine = m.__dict__.get(DP_STATE_ATTR)
+        # one engine runs every module wrapped by per-layer-then-root fully_shard calls
+        if engine is not None and not any(engine is e for e in out):
+            out.append(engine)
+    return out
 
 
 def _implicit_replication(root: nn.Module) -> Any:
@@ -199,7 +207,7 @@ def _implicit_replication(root: nn.Module) -> Any:
 @contextlib.contextmanager
 def _store_replicated(ir: Any) -> Iterator[None]:
     """Compose ``ir``'s pack conversion under the current (checkpoint's) saved-tensor hooks."""
-    top = torch._C._autograd._top_saved_tensors_default_hooks(False)
+    top = _compat.top_saved_tensors_hooks()
     if top is None:
         yield
         return

@@ -10,12 +10,18 @@ import torch
 from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor, Replicate
-from torch.distributed.tensor.placement_types import _StridedShard
 
 from vescale.dmodule import _plan
 from vescale.dmodule._auto_plan import resolve_tp_dim
+from vescale.dmodule._compat import StridedShard as _StridedShard
 from vescale.dmodule._grad_sync import PartialGradSync
-from vescale.dmodule._hooks import ImplicitReplicationHooks, make_input_hook, make_output_hook
+from vescale.dmodule._hooks import (
+    ImplicitReplicationHooks,
+    make_input_hook,
+    make_output_hook,
+    make_tensor_hooks,
+)
+from vescale.dmodule._torch_styles import has_torch_styles, translate_torch_plan
 from vescale.dtensor import distribute_tensor, get_plugin_manager, register_plugin
 
 __all__ = ["DModule", "parallelize_module", "dump_plan", "is_dmodule"]
@@ -32,6 +38,8 @@ _OPTIONS = {
     "param_init_fn": None,
     "data_parallel": None,
     "activation_checkpointing": None,
+    "factory": False,
+    "unmatched_plan_keys": "error",
 }
 _DP_KINDS = ("ddp", "fsdp")
 
@@ -74,6 +82,16 @@ class DModule:
         """Applied placements per parameter/buffer and per module input/output."""
         return dump_plan(self)  # type: ignore[arg-type]
 
+    def no_sync(self):
+        """Context manager: backward passes inside accumulate gradients locally.
+
+        The same as ``torch.nn.parallel.DistributedDataParallel.no_sync()`` and
+        :func:`vescale.dmodule.no_sync`; a no-op without data parallelism.
+        """
+        from vescale.dmodule._fsdp import no_sync
+
+        return no_sync(self)  # type: ignore[arg-type]
+
     def finish_grad_sync(self) -> int:
         """Reduce ``Partial`` gradients now (bucketed); returns collectives issued.
 
@@ -84,6 +102,23 @@ class DModule:
 
 
 _CLASS_CACHE: dict[type, type] = {}
+
+
+def _grad_like_param(placements: tuple) -> Any:
+    """A gradient hook giving a sharded parameter's gradient the parameter's placements.
+
+    torch's sharding propagation picks the placements of a gradient by cost, and some
+    releases (2.11) give a column-parallel weight a replicated gradient; the optimizer,
+    the clipping and the data-parallel engines expect the parameter's own layout. A
+    ``Replicate`` -> ``Shard`` step is a local slice; a pending ``Partial`` is reduced.
+    """
+
+    def hook(grad: torch.Tensor) -> torch.Tensor:
+        if isinstance(grad, DTensor) and tuple(grad.placements) != placements:
+            return grad.redistribute(grad.device_mesh, placements)
+        return grad
+
+    return hook
 
 
 def _aliases(model: nn.Module, t: torch.Tensor) -> list[str]:
@@ -217,7 +252,12 @@ def parallelize_module(
     Keys are regexes that full-match ``named_modules()`` names plus a suffix: a
     parameter or buffer name for the parameter section, ``.input``/``.output`` for
     the forward section (``input``/``output`` alone is the root module). The first
-    matching key wins. A flat dict of parameter keys is the parameter section.
+    matching key wins. A flat dict of parameter keys is the parameter section. A
+    forward key naming a parameter or buffer (``"fc1.weight": [Replicate()]``)
+    redistributes it (differentiably) right before that module's forward; the
+    parameter itself keeps its placements and gets the gradient. A dict input plan
+    may name ``*args`` (a list, one entry per extra positional value) and, when
+    ``forward`` takes ``**kwargs``, any keyword.
     Plain tensors given to a planned input are taken as the same full value on
     every rank (``Replicate()``) and redistributed.
 
@@ -245,6 +285,14 @@ def parallelize_module(
             one ``"ddp"`` dim and one ``"fsdp"`` dim, e.g.
             ``{"rep": "ddp", "shard": "fsdp"}``: parameters sharded over the fsdp
             dim, replicated over the ddp dim; see ``docs/data_parallel.md``),
+            ``factory`` (veScale's: ``True`` makes ``torch.zeros``/``ones``/
+            ``empty``/``full``/``rand``/``randn``/``arange`` called in the model's
+            ``forward`` return replicated DTensors; a dict of factory function ->
+            placements, or of module class -> ``True``/``False``/such a dict, the
+            innermost class applying; default ``False``),
+            ``unmatched_plan_keys`` (``"error"``, the default: a plan key that
+            matches nothing raises, suggesting the nearest names; ``"warn"``: warn and
+            skip it, as veScale does),
             ``activation_checkpointing`` (``True``: the FSDP groups, or every
             ``nn.ModuleList`` element; regex(es) full-matching ``named_modules()``
             names; or a predicate ``(name, module) -> bool``: those submodules'
@@ -263,7 +311,9 @@ def parallelize_module(
         ``model`` itself, now also an instance of :class:`DModule`.
 
     Raises:
-        ValueError: The plan has an unknown section, a key that matches nothing
+        PlanSectionError: The plan has an unknown section (both a ``KeyError`` and a
+            ``ValueError``; the nearest section is suggested).
+        ValueError: The plan has a key that matches nothing
             (the nearest names are suggested), a placement list whose length is not
             the mesh's ndim, a shard dim out of range or not dividing the tensor.
             All checks run before any communication.
@@ -286,6 +336,18 @@ def parallelize_module(
     if not isinstance(device_mesh, DeviceMesh):
         raise TypeError(f"expected a DeviceMesh, got {type(device_mesh).__name__}")
 
+    if has_torch_styles(sharding_plan):
+        sharding_plan = translate_torch_plan(
+            model,
+            device_mesh,
+            sharding_plan,
+            tp_dim=resolve_tp_dim(device_mesh, opts["tp_dim"]),
+            unmatched=opts["unmatched_plan_keys"],
+        )
+        if "implicit_replication" not in options:
+            # torch's styles hand plain local tensors between layers; saving those as
+            # replicated DTensors would break their backward
+            opts["implicit_replication"] = False
     plan = _plan.normalize_plan(sharding_plan)
     dp_specs = _parse_data_parallel(opts["data_parallel"], device_mesh)
     dp_dims = {d for d, _, _ in dp_specs}
@@ -306,11 +368,19 @@ def parallelize_module(
         if auto:
             plan = _plan.merge_plans(plan, _plan.normalize_plan(auto))
     resolved = _plan.resolve_plan(
-        model, device_mesh, plan, allow_uneven=bool(opts["allow_uneven_shards"])
+        model,
+        device_mesh,
+        plan,
+        allow_uneven=bool(opts["allow_uneven_shards"]),
+        unmatched=opts["unmatched_plan_keys"],
     )
 
     _check_meta_init(model, opts["param_init_fn"])
     _check_dp_against_plan(dp_specs, resolved, device_mesh)
+    if opts["factory"] not in (False, None):
+        from vescale.dmodule._factory import parse_factory
+
+        parse_factory(opts["factory"], device_mesh)  # bad options fail before any communication
     ac = opts["activation_checkpointing"]
     fsdp_groups = any(m == "fsdp" and "groups" in kw for _, m, kw in dp_specs)
     if ac is not None and ac is not False and not (ac is True and fsdp_groups):
@@ -351,6 +421,8 @@ def parallelize_module(
         if entry.kind == "parameter":
             new = nn.Parameter(new, requires_grad=old.requires_grad)
             new_params.append(new)
+            if new.requires_grad and any(p.is_shard() for p in new.placements):
+                new.register_hook(_grad_like_param(new.placements))
         for name in entry.names:
             mod_name, _, attr = name.rpartition(".")
             getattr(modules[mod_name], table)[attr] = new
@@ -371,6 +443,14 @@ def parallelize_module(
             continue
         done.add((id(mod), "out"))
         handles.append(mod.register_forward_hook(make_output_hook(spec, device_mesh)))
+    for name, table in resolved.tensors.items():
+        pre, post = make_tensor_hooks({a: pl for a, (_k, pl) in table.items()}, device_mesh)
+        handles.append(modules[name].register_forward_pre_hook(pre))
+        handles.append(modules[name].register_forward_hook(post, always_call=True))
+    if opts["factory"] not in (False, None):
+        from vescale.dmodule._factory import install_factory
+
+        handles += install_factory(model, device_mesh, opts["factory"])
     ir = None
     if opts["implicit_replication"]:
         ir = ImplicitReplicationHooks(device_mesh)
@@ -527,6 +607,8 @@ def _apply_data_parallel(model: nn.Module, mesh: DeviceMesh, dp_specs: list) -> 
 def _fmt(placements) -> str:
     if placements is None:
         return "None"
+    if isinstance(placements, _plan.LocalLayout):
+        return str(placements)
     return "[" + ", ".join(str(p) for p in placements) + "]"
 
 

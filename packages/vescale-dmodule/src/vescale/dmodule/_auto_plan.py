@@ -44,7 +44,8 @@ from typing import Any
 from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import Replicate, Shard
-from torch.distributed.tensor.placement_types import _StridedShard
+
+from vescale.dmodule._compat import StridedShard as _StridedShard
 
 __all__ = ["default_sharding_plan", "resolve_tp_dim"]
 

@@ -6,17 +6,20 @@ on plain tensors at full speed; parameters that already are DTensors, e.g.
 tensor-parallel ones from :func:`~vescale.dmodule.parallelize_module`, keep their
 placements and must be ``Replicate()`` on the dp dim. Gradients live in contiguous
 *buckets*: each parameter's ``.grad`` is a view of one bucket (a DTensor around the
-view for a DTensor parameter). The first gradient after ``zero_grad()`` is copied
-into the bucket by a post-accumulate-grad hook (one copy; the bucket is never
-zero-filled), later ones (gradient accumulation) are added into it in place.
-When the last gradient of a bucket has been accumulated, the bucket's
-``all_reduce(AVG)`` over the dp dim starts asynchronously while backward continues;
-an autograd-engine callback at the end of backward starts the buckets still
-pending (parameters not used this step) and waits for all of them.
+view for a DTensor parameter). Before a forward, a parameter without a gradient
+gets its zeroed bucket view as ``.grad``, so autograd accumulates straight into the
+bucket (no copy); a gradient that did not land there (``zero_grad()`` between
+forward and backward, or a ``.grad`` the user replaced) is copied in by a
+post-accumulate-grad hook. When the last gradient of a bucket has been accumulated,
+the bucket's ``all_reduce(AVG)`` over the dp dim starts asynchronously while
+backward continues; an autograd-engine callback at the end of backward starts the
+buckets still pending (parameters not used this step) and waits for all of them.
 
 Every bucket carries one extra element per parameter, set to 1 on ranks where the
-parameter got a gradient; after the all-reduce, parameters that no rank used get
-``grad = None``, as in single-device training (no hang, no extra collective).
+parameter has a gradient (from this backward, or accumulated earlier); after the
+all-reduce, parameters that have none on any rank get ``grad = None``, as in
+single-device training (no hang, no extra collective). Buckets are rebuilt before a
+forward when the set of parameters that require grad changed.
 
 Plain parameters are declared replicated over the mesh
 (:func:`vescale.debug.declare_replicated`), so
@@ -26,7 +29,10 @@ DTensors.
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
+from collections.abc import Iterator
+from typing import Any
 
 import torch
 import torch.distributed as dist
@@ -34,15 +40,22 @@ from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor, Replicate
 
+from vescale.dmodule import _compat
 from vescale.dmodule._dp_common import (
     DP_STATE_ATTR,
+    MixedPrecision,
     SyncToggle,
+    cast_floating,
     check_not_wrapped,
     check_one_device,
     local_tensor,
+    param_paths,
     resolve_dp_dim,
+    resolve_mixed_precision,
+    swap_param,
 )
 from vescale.dtensor._grad_sync_debug import declare_replicated
+from vescale.dtensor._submesh import lift_placements
 
 __all__ = ["replicate", "DDPEngine"]
 
@@ -58,6 +71,11 @@ class _Bucket:
     pending: int = 0
     work: object | None = None
     launched: bool = False
+    # mixed precision: the bucket cast to the reduce dtype while its all-reduce runs
+    reduce_buf: torch.Tensor | None = None
+    # True where ``.grad`` is a zeroed bucket view put there by the pre-forward hook:
+    # "no gradient yet" to the user (None on a single device)
+    placeholder: list[bool] = dataclasses.field(default_factory=list)
 
     @property
     def flags(self) -> torch.Tensor:
@@ -82,6 +100,7 @@ class DDPEngine(SyncToggle):
         bucket_cap_mb: float,
         broadcast_from: int | None,
         device: torch.device,
+        mixed_precision: MixedPrecision | None = None,
     ) -> None:
         self.module = module
         self.mesh = mesh
@@ -100,26 +119,56 @@ class DDPEngine(SyncToggle):
             with torch.no_grad():
                 for p in ordered:
                     dist.broadcast(local_tensor(p), src=src, group=self.pg)
+        self._params = ordered
+        self._device = device
+        self._cap = max(1, int(bucket_cap_mb * 1024 * 1024))
+        self.buckets: list[_Bucket] = []
+        self._bucket_of: dict[int, tuple[_Bucket, int]] = {}
+        self._grad_handles: list = []
+        self._trainable_key: tuple[bool, ...] = ()
+        self._build_buckets()
+        self._handles = [module.register_forward_pre_hook(self._pre_forward)]
+        self.mp = mixed_precision or MixedPrecision()
+        # reduce dtype as in FSDP2: reduce_dtype, else param_dtype
+        self.reduce_dtype = self.mp.reduce_dtype or self.mp.param_dtype
+        self.cast_copy_bytes = 0
+        if self.mp != MixedPrecision():
+            self._paths = param_paths(module)
+            self._handles.append(module.register_forward_pre_hook(self._mp_pre, with_kwargs=True))
+            self._handles.append(module.register_forward_hook(self._mp_post, always_call=True))
+
+    def _build_buckets(self) -> None:
+        """(Re)build the gradient buckets for the parameters that require grad now.
+
+        Called at wrap time and again before a forward after the set of trainable
+        parameters changed (``requires_grad`` flipped between steps, as in staged
+        fine-tuning); gradients already accumulated are kept.
+        """
+        for h in self._grad_handles:
+            h.remove()
+        old_grads = {
+            id(p): p.grad for p in self._params if p.grad is not None and id(p) in self._bucket_of
+        }
+        self._trainable_key = tuple(p.requires_grad for p in self._params)
         # buckets: reverse registration order (roughly the order gradients become ready)
-        cap = max(1, int(bucket_cap_mb * 1024 * 1024))
-        trainable = [p for p in reversed(ordered) if p.requires_grad]
+        trainable = [p for p in reversed(self._params) if p.requires_grad]
         groups: list[list[nn.Parameter]] = []
         open_by_dtype: dict[torch.dtype, tuple[list, int]] = {}
         for p in trainable:
             loc = local_tensor(p)
             nbytes = loc.numel() * loc.element_size()
             cur = open_by_dtype.get(loc.dtype)
-            if cur is None or (cur[1] + nbytes > cap and cur[0]):
+            if cur is None or (cur[1] + nbytes > self._cap and cur[0]):
                 cur = ([], 0)
                 groups.append(cur[0])
             cur[0].append(p)
             open_by_dtype[loc.dtype] = (cur[0], cur[1] + nbytes)
-        self.buckets: list[_Bucket] = []
-        self._bucket_of: dict[int, tuple[_Bucket, int]] = {}
+        self.buckets = []
+        self._bucket_of = {}
         for ps in groups:
             locs = [local_tensor(p) for p in ps]
             n = sum(t.numel() for t in locs)
-            buf = torch.zeros(n + len(ps), dtype=locs[0].dtype, device=device)
+            buf = torch.zeros(n + len(ps), dtype=locs[0].dtype, device=self._device)
             ranges, grad_views, off = [], [], 0
             for p, t in zip(ps, locs):
                 view = buf[off : off + t.numel()].view(t.shape)
@@ -136,14 +185,24 @@ class DDPEngine(SyncToggle):
                     )
                 grad_views.append(view)
             b = _Bucket(len(self.buckets), buf, ps, ranges, grad_views, n)
+            b.placeholder = [False] * len(ps)
             self.buckets.append(b)
             for i, p in enumerate(ps):
                 self._bucket_of[id(p)] = (b, i)
-        self._handles = []
-        for b in self.buckets:
-            for i, p in enumerate(b.params):
-                self._handles.append(p.register_post_accumulate_grad_hook(self._make_hook(b, i)))
-        self._handles.append(module.register_forward_pre_hook(self._pre_forward))
+                g = old_grads.get(id(p))
+                if g is not None:
+                    with torch.no_grad():
+                        grad_views[i].copy_(g)
+                    p.grad = grad_views[i]
+        for p in self._params:
+            if not p.requires_grad and id(p) in old_grads:
+                # frozen now: keep its last gradient, no longer a bucket view
+                p.grad = old_grads[id(p)].clone()
+        self._grad_handles = [
+            p.register_post_accumulate_grad_hook(self._make_hook(b, i))
+            for b in self.buckets
+            for i, p in enumerate(b.params)
+        ]
 
     # ------------------------------------------------------------------ public
     @property
@@ -154,13 +213,53 @@ class DDPEngine(SyncToggle):
     def engine_tensors(self) -> list[torch.Tensor]:
         return [b.buf for b in self.buckets]
 
+    # ------------------------------------------------------------------ mixed precision
+    def _swap_params(self, cast: bool) -> None:
+        """Register compute-dtype copies of the parameters (differentiable casts of the
+        masters, so gradients reach the masters' buckets), or the masters again."""
+        dtype = self.mp.param_dtype
+        if dtype is None:
+            return
+        for p in self._params:
+            if p.is_floating_point() and p.dtype != dtype:
+                swap_param(self._paths[id(p)], p.to(dtype) if cast else p)
+                if cast:
+                    self.cast_copy_bytes += p.numel() * dtype.itemsize
+
+    def _mp_pre(self, module, args, kwargs):
+        self._swap_params(True)
+        if self.mp.cast_forward_inputs and self.mp.param_dtype is not None:
+            return cast_floating((args, kwargs), self.mp.param_dtype)
+        return None
+
+    def _mp_post(self, module, args, output):
+        self._swap_params(False)
+        if self.mp.output_dtype is not None:
+            return cast_floating(output, self.mp.output_dtype)
+        return None
+
+    @contextlib.contextmanager
+    def recompute_context(self, module: nn.Module) -> Iterator[None]:
+        """Activation-checkpoint recomputation: the compute-dtype parameters again."""
+        if self.mp.param_dtype is None:
+            yield
+            return
+        self._swap_params(True)
+        try:
+            yield
+        finally:
+            self._swap_params(False)
+
     # ------------------------------------------------------------------ hooks
     def _pre_forward(self, module, args):
+        if any(p.requires_grad is not k for p, k in zip(self._params, self._trainable_key)):
+            self._build_buckets()
         for b in self.buckets:
             missing = [i for i, p in enumerate(b.params) if p.grad is None]
             if len(missing) == len(b.params):
                 b.buf[: b.data_numel].zero_()
             for i in missing:
+                b.placeholder[i] = True
                 a, e = b.ranges[i]
                 if len(missing) != len(b.params):
                     b.buf[a:e].zero_()
@@ -174,9 +273,23 @@ class DDPEngine(SyncToggle):
                 for bb in self.buckets:
                     bb.pending = len(bb.params)
                     bb.launched = False
+                    # a parameter keeps a gradient it already had (accumulation without
+                    # zero_grad, zero_grad(set_to_none=False)) even if unused now
+                    for j, q in enumerate(bb.params):
+                        if not bb.placeholder[j] and q.grad is bb.grad_views[j]:
+                            bb.flags[j] = 1
                 self.launch_log = []
-                torch.autograd.Variable._execution_engine.queue_callback(self._finish)
+                _compat.queue_callback(self._finish)
+            view = b.grad_views[i]
+            if p.grad is not view:
+                # The gradient did not accumulate into the bucket: ``.grad`` was reset
+                # after the forward (``zero_grad()`` between forward and backward) or
+                # replaced by the user. Move it into the bucket (one copy).
+                with torch.no_grad():
+                    view.copy_(p.grad)
+                p.grad = view
             b.flags[i] = 1
+            b.placeholder[i] = False
             b.pending -= 1
             if b.pending == 0 and self._sync:
                 self._launch(b)
@@ -189,7 +302,11 @@ class DDPEngine(SyncToggle):
         b.launched = True
         self.launch_log.append(b.index)
         if self.world > 1:
-            b.work = dist.all_reduce(b.buf, op=dist.ReduceOp.AVG, group=self.pg, async_op=True)
+            buf = b.buf
+            if self.reduce_dtype is not None and self.reduce_dtype != buf.dtype:
+                b.reduce_buf = buf = buf.to(self.reduce_dtype)
+                self.cast_copy_bytes += buf.numel() * buf.element_size()
+            b.work = dist.all_reduce(buf, op=dist.ReduceOp.AVG, group=self.pg, async_op=True)
 
     @torch.no_grad()
     def _finish(self) -> None:
@@ -209,9 +326,13 @@ class DDPEngine(SyncToggle):
             if b.work is not None:
                 b.work.wait()
                 b.work = None
+            if b.reduce_buf is not None:
+                b.buf.copy_(b.reduce_buf)
+                self.cast_copy_bytes += b.buf.numel() * b.buf.element_size()
+                b.reduce_buf = None
             flags = b.flags.tolist()
             for i, f in enumerate(flags):
-                # used on some rank: the averaged gradient; on none: no gradient at all
+                # a gradient on some rank: the average; on none: no gradient at all
                 b.params[i].grad = b.grad_views[i] if f > 0 else None
             b.flags.zero_()
 
@@ -223,21 +344,35 @@ def replicate(
     *,
     bucket_cap_mb: float = 25,
     broadcast_from: int | None = 0,
+    mixed_precision: MixedPrecision | Any | None = None,
+    mp_policy: Any | None = None,
 ) -> nn.Module:
     """Data-parallel ``module`` over the mesh dim ``dp_dim`` (DDP), in place.
 
     Args:
         module: The module (plain-tensor parameters, or DTensor parameters that are
-            ``Replicate()`` on ``dp_dim``), all on one device of the mesh's type.
+            ``Replicate()`` on ``dp_dim`` or live on the sub-mesh of ``mesh`` without
+            ``dp_dim``, as veScale's ``parallelize_module(m, mesh["TP"], ...)`` leaves
+            them), all on one device of the mesh's type.
         mesh: Device mesh.
         dp_dim: Name or index of the data-parallel mesh dim.
         bucket_cap_mb: Largest gradient bucket in MiB (a larger parameter gets a
             bucket of its own).
         broadcast_from: Rank (on ``dp_dim``) whose parameter values every rank takes
             at wrap time; ``None`` keeps each rank's own.
+        mixed_precision: :class:`~vescale.dmodule.MixedPrecision` or torch's
+            ``MixedPrecisionPolicy``: the module's parameters stay the (e.g. fp32)
+            masters the optimizer steps; each forward runs on ``param_dtype`` casts of
+            them (differentiable, so the gradients accumulate in the masters' dtype),
+            floating-point inputs are cast to ``param_dtype`` if
+            ``cast_forward_inputs``, outputs to ``output_dtype``, and each bucket is
+            all-reduced in ``reduce_dtype`` (``None``: ``param_dtype``, as in FSDP2).
+        mp_policy: FSDP2's name for ``mixed_precision``.
 
     Returns:
-        ``module`` itself; its engine (:class:`DDPEngine`) is
+        ``module`` itself, its class swapped for a subclass of
+        :class:`~vescale.dmodule.ReplicatedModule` and the original class
+        (``set_requires_gradient_sync()``); its engine (:class:`DDPEngine`) is
         ``get_dp_engine(module)``. Build the optimizer after this call.
 
     Raises:
@@ -252,17 +387,32 @@ def replicate(
     check_not_wrapped(module, what)
     device = check_one_device(module, mesh, what)
     for name, p in module.named_parameters():
-        if isinstance(p, DTensor) and (
-            p.device_mesh != mesh or not isinstance(p.placements[dim], Replicate)
-        ):
+        if not isinstance(p, DTensor):
+            continue
+        if p.device_mesh == mesh:
+            pls: tuple | None = tuple(p.placements)
+        else:  # veScale's layout: on the sub-mesh without the dp dim (replicated over it)
+            pls = lift_placements(p.device_mesh, p.placements, mesh, dim)
+        if pls is None or not isinstance(pls[dim], Replicate):
             raise ValueError(
                 f"{what}: parameter {name!r} must be Replicate() on the dp dim of the same "
-                f"mesh, got {p.placements} on {p.device_mesh}"
+                f"mesh, or live on the sub-mesh without the dp dim; got {p.placements} on "
+                f"{p.device_mesh}"
             )
     if not bucket_cap_mb > 0:
         raise ValueError(f"{what}: bucket_cap_mb must be positive, got {bucket_cap_mb!r}")
+    mp = resolve_mixed_precision(mixed_precision, mp_policy, what)
     engine = DDPEngine(
-        module, mesh, dim, bucket_cap_mb=bucket_cap_mb, broadcast_from=broadcast_from, device=device
+        module,
+        mesh,
+        dim,
+        bucket_cap_mb=bucket_cap_mb,
+        broadcast_from=broadcast_from,
+        device=device,
+        mixed_precision=mp,
     )
     module.__dict__[DP_STATE_ATTR] = engine
+    from vescale.dmodule._dp_module import ReplicatedModule, swap_class
+
+    swap_class(module, ReplicatedModule, "Replicated")
     return module

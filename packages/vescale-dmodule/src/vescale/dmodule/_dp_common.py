@@ -14,15 +14,20 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 from collections.abc import Iterable, Iterator
+from typing import Any
 
 import torch
 from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor
 
+from vescale.dmodule import _compat
+
 __all__ = [
     "DP_STATE_ATTR",
     "MixedPrecision",
+    "resolve_mixed_precision",
+    "cast_floating",
     "resolve_dp_dim",
     "check_not_wrapped",
     "check_one_device",
@@ -40,19 +45,74 @@ DP_STATE_ATTR = "_vescale_dp_state"
 
 @dataclasses.dataclass(frozen=True)
 class MixedPrecision:
-    """Mixed-precision policy of :func:`~vescale.dmodule._fsdp.fully_shard`.
+    """Mixed-precision policy of :func:`~vescale.dmodule.fully_shard` and :func:`~vescale.dmodule.replicate`.
+
+    The same four fields as torch's ``torch.distributed.fsdp.MixedPrecisionPolicy``,
+    which both functions also accept (``mp_policy=``).
 
     Args:
         param_dtype: dtype of the unsharded (compute) parameters; the sharded
             parameters stay in their own dtype (fp32 masters). ``None``: no cast.
-        reduce_dtype: dtype of the gradient reduce-scatter; ``None``: ``param_dtype``.
+        reduce_dtype: dtype of the gradient reduction (reduce-scatter, all-reduce);
+            ``None``: ``param_dtype``.
+        output_dtype: dtype that floating-point outputs of the module's forward are
+            cast to; ``None``: no cast.
         cast_forward_inputs: Cast floating-point tensor inputs of every sharded
-            group to ``param_dtype``.
+            group (DDP: of the module) to ``param_dtype``.
     """
 
     param_dtype: torch.dtype | None = None
     reduce_dtype: torch.dtype | None = None
+    output_dtype: torch.dtype | None = None
     cast_forward_inputs: bool = True
+
+
+def resolve_mixed_precision(
+    mixed_precision: Any, mp_policy: Any, what: str
+) -> MixedPrecision | None:
+    """One :class:`MixedPrecision` from ``mixed_precision=`` or ``mp_policy=`` (not both).
+
+    Either may be a :class:`MixedPrecision` or torch's ``MixedPrecisionPolicy``;
+    anything else is a ``TypeError`` naming the argument.
+    """
+    if mixed_precision is not None and mp_policy is not None:
+        raise TypeError(f"{what}: pass mixed_precision= or mp_policy=, not both")
+    value, arg = (
+        (mixed_precision, "mixed_precision")
+        if mixed_precision is not None
+        else (mp_policy, "mp_policy")
+    )
+    if value is None or isinstance(value, MixedPrecision):
+        return value
+    from torch.distributed.fsdp import MixedPrecisionPolicy
+
+    if isinstance(value, MixedPrecisionPolicy):
+        return MixedPrecision(
+            param_dtype=value.param_dtype,
+            reduce_dtype=value.reduce_dtype,
+            output_dtype=value.output_dtype,
+            cast_forward_inputs=value.cast_forward_inputs,
+        )
+    raise TypeError(
+        f"{what}: {arg} must be a vescale.dmodule.MixedPrecision or a "
+        f"torch.distributed.fsdp.MixedPrecisionPolicy, got {type(value).__name__}"
+    )
+
+
+def cast_floating(values: Any, dtype: torch.dtype | None) -> Any:
+    """``values`` (any pytree) with floating-point tensors cast to ``dtype`` (differentiable)."""
+    if dtype is None:
+        return values
+    flat, spec = _compat.tree_flatten(values)
+    return _compat.tree_unflatten(
+        [
+            t.to(dtype)
+            if isinstance(t, torch.Tensor) and t.is_floating_point() and t.dtype != dtype
+            else t
+            for t in flat
+        ],
+        spec,
+    )
 
 
 def resolve_dp_dim(mesh: DeviceMesh, dp_dim: int | str) -> int:
@@ -88,7 +148,7 @@ def check_not_wrapped(module: nn.Module, what: str) -> None:
 
 def local_tensor(t: torch.Tensor) -> torch.Tensor:
     """The rank-local tensor of ``t`` (``t`` itself if it is not a DTensor)."""
-    return t._local_tensor if isinstance(t, DTensor) else t
+    return _compat.local_tensor(t)
 
 
 def dp_last_mesh(mesh: DeviceMesh, dp_dim: int) -> DeviceMesh:
@@ -117,7 +177,9 @@ def dp_last_mesh(mesh: DeviceMesh, dp_dim: int) -> DeviceMesh:
     return out
 
 
-def check_dp_replicated(module: nn.Module, mesh: DeviceMesh, dp_dim: int, what: str) -> None:
+def check_dp_replicated(
+    module: nn.Module, mesh: DeviceMesh, dp_dim: int, what: str, skip: Iterable[int] = ()
+) -> None:
     """DTensor parameters: on ``mesh``, ``Replicate()`` on ``dp_dim``, same local shape everywhere.
 
     The last condition (every rank's local tensor has one shape) lets one
@@ -131,8 +193,9 @@ def check_dp_replicated(module: nn.Module, mesh: DeviceMesh, dp_dim: int, what: 
     from vescale.dtensor._redistribute import localize
 
     coords = list(itertools.product(*(range(n) for n in mesh.shape)))
+    skip = set(skip)
     for name, p in module.named_parameters():
-        if not isinstance(p, DTensor):
+        if not isinstance(p, DTensor) or id(p) in skip:
             continue
         pm = p.device_mesh
         if pm.ndim != mesh.ndim or not torch.equal(pm.mesh, mesh.mesh):
@@ -159,11 +222,15 @@ def check_dp_replicated(module: nn.Module, mesh: DeviceMesh, dp_dim: int, what: 
             )
 
 
-def check_one_device(module: nn.Module, mesh: DeviceMesh, what: str) -> torch.device:
-    """All parameters on one device of the mesh's type; returns it."""
+def check_one_device(
+    module: nn.Module, mesh: DeviceMesh, what: str, skip: Iterable[int] = ()
+) -> torch.device:
+    """All parameters (but those in ``skip``, by id) on one device of the mesh's type; returns it."""
     devices: dict[torch.device, str] = {}
+    skip = set(skip)
     for name, p in module.named_parameters():
-        devices.setdefault(local_tensor(p).device, name)
+        if id(p) not in skip:
+            devices.setdefault(local_tensor(p).device, name)
     if len(devices) > 1:
         desc = ", ".join(f"{d} (e.g. {n!r})" for d, n in devices.items())
         raise ValueError(f"{what}: parameters are on different devices: {desc}; move them to one")

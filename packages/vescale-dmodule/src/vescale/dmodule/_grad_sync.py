@@ -23,6 +23,8 @@ from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor, Partial, Replicate
 
+from vescale.dmodule import _compat
+
 __all__ = ["PartialGradSync"]
 
 _OPS = {"sum": dist.ReduceOp.SUM, "avg": dist.ReduceOp.AVG}
@@ -52,7 +54,7 @@ class PartialGradSync:
         if self._queued:
             return
         self._queued = True
-        torch.autograd.Variable._execution_engine.queue_callback(self._callback)
+        _compat.queue_callback(self._callback)
 
     def _callback(self) -> None:
         self._queued = False

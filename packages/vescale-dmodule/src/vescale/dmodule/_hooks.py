@@ -13,21 +13,37 @@ from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor, Placement, Replicate, Shard
 
+from vescale.dmodule import _compat
+from vescale.dmodule._plan import LocalLayout
 from vescale.dtensor import redistribute
 
-__all__ = ["to_placements", "make_input_hook", "make_output_hook", "implicit_replication"]
+__all__ = [
+    "to_placements",
+    "make_input_hook",
+    "make_output_hook",
+    "make_tensor_hooks",
+    "implicit_replication",
+]
 
 
-def to_placements(x: Any, mesh: DeviceMesh, placements: tuple[Placement, ...] | None) -> Any:
+def to_placements(
+    x: Any, mesh: DeviceMesh, placements: tuple[Placement, ...] | LocalLayout | None
+) -> Any:
     """Move one value to ``placements`` (differentiable).
 
     A DTensor is redistributed (nothing happens if it already has them). A plain
     tensor is taken to hold the same full value on every rank (``Replicate()``)
     and then redistributed, so ``Shard`` picks each rank's chunk locally. Other
-    values are returned unchanged.
+    values are returned unchanged. A :class:`LocalLayout` entry (torch
+    ``ParallelStyle`` semantics) takes a plain tensor as this rank's local part.
     """
-    if placements is None or not isinstance(x, torch.Tensor):
+    if placements is None:
         return x
+    if isinstance(placements, LocalLayout):
+        return _apply_local_layout(x, mesh, placements)
+    if not isinstance(x, torch.Tensor):
+        # a container argument (dict, list, tuple, dataclass): every tensor in it
+        return _map_tensors(x, lambda t: to_placements(t, mesh, placements))
     if not isinstance(x, DTensor):
         x = DTensor.from_local(x, mesh, [Replicate()] * mesh.ndim, run_check=False)
     placements = tuple(
@@ -40,6 +56,52 @@ def to_placements(x: Any, mesh: DeviceMesh, placements: tuple[Placement, ...] | 
     if out.requires_grad and any(p.is_partial() for p in src):
         out.register_hook(_grad_fixer(src, placements))
     return out
+
+
+def _norm_dims(placements: tuple[Placement, ...], ndim: int) -> tuple[Placement, ...]:
+    return tuple(
+        Shard(p.dim + ndim) if isinstance(p, Shard) and p.dim < 0 else p for p in placements
+    )
+
+
+def _apply_local_layout(x: Any, mesh: DeviceMesh, layout: LocalLayout) -> Any:
+    if not isinstance(x, torch.Tensor):
+        return _map_tensors(x, lambda t: _apply_local_layout(t, mesh, layout))
+    if not isinstance(x, DTensor) and layout.src is not None:
+        # this rank's local part, laid out as `src`: no communication
+        x = DTensor.from_local(x, mesh, _norm_dims(layout.src, x.ndim), run_check=False)
+    if layout.dst is not None:
+        x = to_placements(x, mesh, layout.dst)
+    if layout.to_local and isinstance(x, DTensor):
+        x = x.to_local()
+    return x
+
+
+def _map_tensors(x: Any, fn) -> Any:
+    if isinstance(x, torch.Tensor):
+        return fn(x)
+    if isinstance(x, Mapping):
+        items = {k: _map_tensors(v, fn) for k, v in x.items()}
+        if type(x) is dict:
+            return items
+        try:
+            return type(x)(items)
+        except TypeError:
+            return items
+    if isinstance(x, tuple) and hasattr(x, "_fields"):  # namedtuple
+        return type(x)(*(_map_tensors(v, fn) for v in x))
+    if isinstance(x, (list, tuple)):
+        return type(x)(_map_tensors(v, fn) for v in x)
+    if dataclasses.is_dataclass(x) and not isinstance(x, type):
+        return dataclasses.replace(
+            x,
+            **{
+                f.name: _map_tensors(getattr(x, f.name), fn)
+                for f in dataclasses.fields(x)
+                if f.init
+            },
+        )
+    return x
 
 
 def _grad_fixer(src: tuple[Placement, ...], target: tuple[Placement, ...]):
@@ -70,6 +132,10 @@ def _grad_fixer(src: tuple[Placement, ...], target: tuple[Placement, ...]):
     return hook
 
 
+def _is_placements(value: Any) -> bool:
+    return isinstance(value, tuple) and all(isinstance(p, Placement) for p in value)
+
+
 def _apply_seq(values: tuple, spec: tuple, mesh: DeviceMesh) -> tuple:
     out = list(values)
     for i, p in enumerate(spec):
@@ -78,30 +144,49 @@ def _apply_seq(values: tuple, spec: tuple, mesh: DeviceMesh) -> tuple:
     return tuple(out)
 
 
+def _forward_params(module: nn.Module) -> list[inspect.Parameter]:
+    try:
+        return list(inspect.signature(module.forward).parameters.values())
+    except (TypeError, ValueError):
+        return []
+
+
 def make_input_hook(module: nn.Module, spec: Any, mesh: DeviceMesh):
-    """A ``forward_pre_hook`` (with kwargs) that applies an input spec."""
-    positions: dict[str, int] = {}
+    """A ``forward_pre_hook`` (with kwargs) that applies an input spec.
+
+    A spec by position (a list) and a spec by name (a dict) both apply whether the
+    caller passes the argument positionally or by keyword: positions and names are
+    matched through ``forward``'s signature.
+    """
+    params = _forward_params(module)
+    positional = [p.name for p in params if p.kind in (p.POSITIONAL_ONLY, p.POSITIONAL_OR_KEYWORD)]
+    by_keyword = {p.name for p in params if p.kind is not p.POSITIONAL_ONLY}
+    var_pos = next((p.name for p in params if p.kind is p.VAR_POSITIONAL), None)
+    var_kw = any(p.kind is p.VAR_KEYWORD for p in params)
+    extra: tuple = ()  # specs of the values of *args, in order
     if isinstance(spec, Mapping):
-        try:
-            params = list(inspect.signature(module.forward).parameters.values())
-        except (TypeError, ValueError):
-            params = []
-        for i, p in enumerate(params):
-            if p.kind in (p.POSITIONAL_ONLY, p.POSITIONAL_OR_KEYWORD):
-                positions[p.name] = i
+        named = dict(spec)
+        if var_pos is not None and var_pos in named:
+            value = named.pop(var_pos)
+            extra = value if isinstance(value, tuple) and not _is_placements(value) else (value,)
+    else:
+        # positions past the named parameters can only come positionally (*args)
+        named = {positional[i]: p for i, p in enumerate(spec) if i < len(positional)}
+        extra = tuple(spec[len(positional) :])
+    position = {n: i for i, n in enumerate(positional)}
 
     def hook(mod: nn.Module, args: tuple, kwargs: dict):
-        if isinstance(spec, Mapping):
-            args = list(args)
-            kwargs = dict(kwargs)
-            for name, p in spec.items():
-                if name in kwargs:
-                    kwargs[name] = to_placements(kwargs[name], mesh, p)
-                elif name in positions and positions[name] < len(args):
-                    i = positions[name]
-                    args[i] = to_placements(args[i], mesh, p)
-            return tuple(args), kwargs
-        return _apply_seq(tuple(args), spec, mesh), kwargs
+        args = list(args)
+        kwargs = dict(kwargs)
+        for name, p in named.items():
+            i = position.get(name)
+            if i is not None and i < len(args):
+                args[i] = to_placements(args[i], mesh, p)
+            elif name in kwargs and (name in by_keyword or var_kw or not params):
+                kwargs[name] = to_placements(kwargs[name], mesh, p)
+        if extra and len(args) > len(positional):
+            args[len(positional) :] = _apply_seq(tuple(args[len(positional) :]), extra, mesh)
+        return tuple(args), kwargs
 
     return hook
 
@@ -147,13 +232,46 @@ def make_output_hook(spec: Any, mesh: DeviceMesh):
     return hook
 
 
+def make_tensor_hooks(specs: dict[str, tuple[Placement, ...]], mesh: DeviceMesh):
+    """``(pre, post)`` forward hooks that redistribute a module's own tensors for its forward.
+
+    ``specs`` maps a parameter or buffer name of the module to placements. The pre-hook
+    puts the redistributed (differentiable) value in the module's parameter/buffer
+    table for the duration of ``forward``; the post-hook (registered with
+    ``always_call``) puts the original back, so optimizers, state dicts and data-parallel
+    engines only ever see the original tensors, which receive the gradient.
+    """
+    saved: list[list[tuple[dict, str, torch.Tensor]]] = []
+
+    def pre(mod: nn.Module, args: tuple) -> None:
+        swapped = []
+        for attr, placements in specs.items():
+            table = mod._parameters if mod._parameters.get(attr) is not None else mod._buffers
+            orig = table[attr]
+            if not isinstance(orig, DTensor):
+                raise TypeError(
+                    f"{type(mod).__name__}.{attr} is not a DTensor; forward-section "
+                    "parameter entries need a parallelized parameter"
+                )
+            swapped.append((table, attr, orig))
+            table[attr] = to_placements(orig, mesh, placements)
+        saved.append(swapped)
+
+    def post(mod: nn.Module, args: tuple, out: Any) -> None:
+        if saved:
+            for table, attr, orig in saved.pop():
+                table[attr] = orig
+
+    return pre, post
+
+
 # ------------------------------------------------------------- implicit replication
 def _get_flag() -> bool:
-    return bool(torch._C._get_dtensor_allow_implicit_replication())
+    return _compat.get_implicit_replication()
 
 
 def _set_flag(value: bool) -> None:
-    torch._C._set_dtensor_allow_implicit_replication(value)
+    _compat.set_implicit_replication(value)
 
 
 @contextmanager
@@ -165,6 +283,20 @@ def implicit_replication():
         yield
     finally:
         _set_flag(old)
+
+
+@torch.compiler.disable
+def _refuse_compile(name: str) -> None:
+    # called (eagerly, outside the graph) while torch.compile traces the forward, so the
+    # user gets this error instead of AOTAutograd's "mixed torch.Tensor and DTensor"
+    raise NotImplementedError(
+        f"torch.compile of {name}, parallelized with implicit_replication=True (the default "
+        "for vescale plans), is not supported: its plain tensors act as replicated only "
+        "through a thread-local flag and saved-tensor hooks, which compiled graphs do not "
+        "see. Parallelize with implicit_replication=False and plan the root input (e.g. "
+        '{"forward": {"input": [[Replicate()]]}}), or use a torch ParallelStyle plan; see '
+        '"torch.compile" in docs/dmodule.md'
+    )
 
 
 class ImplicitReplicationHooks:
@@ -203,6 +335,8 @@ class ImplicitReplicationHooks:
         return t
 
     def pre(self, mod: nn.Module, args: tuple) -> None:
+        if torch.compiler.is_compiling():
+            _refuse_compile(type(mod).__qualname__)
         ctx = torch.autograd.graph.saved_tensors_hooks(self._pack, self._unpack)
         self._stack.append((_get_flag(), ctx))
         _set_flag(True)

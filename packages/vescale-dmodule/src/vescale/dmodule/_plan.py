@@ -10,6 +10,7 @@ import dataclasses
 import difflib
 import inspect
 import re
+import warnings
 from collections.abc import Mapping, Sequence
 from typing import Any
 
@@ -17,17 +18,66 @@ import torch
 from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import Placement, Replicate, Shard
-from torch.distributed.tensor.placement_types import _StridedShard
 
-from vescale.dtensor import PluginPlacement
+from vescale.dmodule._compat import StridedShard as _StridedShard
+from vescale.dtensor import PluginPlacement, normalize_placements
 
-__all__ = ["SECTIONS", "ResolvedPlan", "normalize_plan", "resolve_plan"]
+__all__ = [
+    "SECTIONS",
+    "PlanSectionError",
+    "LocalLayout",
+    "ResolvedPlan",
+    "normalize_plan",
+    "resolve_plan",
+]
 
 #: Allowed top-level sections of a sharding plan.
 SECTIONS = ("parameter", "forward")
 _IO_SUFFIXES = ("input", "output")
+_FORWARD_KEY_HELP = (
+    "forward plan key {key!r} must end with '.input' or '.output' (or be 'input'/'output' "
+    "for the root module), or name a parameter or buffer of a submodule (e.g. 'fc1.weight')"
+)
 
 PlacementList = tuple[Placement, ...]
+
+
+class PlanSectionError(KeyError, ValueError):
+    """A sharding plan has an unknown top-level section.
+
+    Both a ``KeyError`` (what veScale programs catch for a misspelled section) and a
+    ``ValueError`` (vescale's plan errors); the message suggests the nearest section.
+    """
+
+    def __str__(self) -> str:  # KeyError would repr() the message
+        return str(self.args[0]) if self.args else ""
+
+
+@dataclasses.dataclass(frozen=True)
+class LocalLayout:
+    """A forward-plan entry with torch ``ParallelStyle`` semantics (from ``_torch_styles``).
+
+    Unlike a placement list (a plain tensor is the full value, ``Replicate()``), a plain
+    tensor here is this rank's **local** part laid out as ``src``; it is wrapped
+    without communication, redistributed to ``dst`` (``None``: left as it is), and
+    turned back into its local tensor when ``to_local`` is set. A DTensor is only
+    redistributed (and made local).
+    """
+
+    src: PlacementList | None
+    dst: PlacementList | None
+    to_local: bool = False
+
+    def __str__(self) -> str:
+        def fmt(pl: PlacementList) -> str:
+            return "[" + ", ".join(str(p) for p in pl) + "]"
+
+        parts = [] if self.src is None else [f"from_local {fmt(self.src)}"]
+        if self.dst is not None:
+            parts.append(f"-> {fmt(self.dst)}")
+        if self.to_local:
+            parts.append("-> to_local")
+        return " ".join(parts) or "unchanged"
 
 
 @dataclasses.dataclass
@@ -48,6 +98,11 @@ class ResolvedPlan:
     params: list[ParamEntry]
     inputs: dict[str, tuple[str, Any]]  # module name -> (key, spec)
     outputs: dict[str, tuple[str, Any]]
+    # module name -> {own parameter/buffer name: (key, placements)}: redistributed
+    # before the module's forward (veScale's forward-section parameter entries)
+    tensors: dict[str, dict[str, tuple[str, PlacementList]]] = dataclasses.field(
+        default_factory=dict
+    )
 
 
 # ----------------------------------------------------------------------------- parsing
@@ -59,10 +114,13 @@ def normalize_plan(plan: Mapping[str, Any] | None) -> dict[str, dict[str, Any]]:
     """Return ``{"parameter": {...}, "forward": {...}}`` for any accepted plan form.
 
     A flat dict whose values are all placement lists is the parameter section.
+    Forward keys end with ``.input``/``.output`` or name a parameter or buffer of the
+    module (``"fc1.weight"``: redistributed before ``fc1`` runs); the latter are
+    checked against the module by ``resolve_plan``.
 
     Raises:
-        ValueError: Unknown top-level section, or a forward key without
-            ``.input``/``.output``.
+        PlanSectionError: Unknown top-level section (a ``KeyError`` and a
+            ``ValueError``).
         TypeError: The plan or a section is not a dict.
     """
     if plan is None:
@@ -81,7 +139,7 @@ def normalize_plan(plan: Mapping[str, Any] | None) -> dict[str, dict[str, Any]]:
         for k in unknown:
             close = difflib.get_close_matches(str(k), SECTIONS, n=1)
             hints.append(f"{k!r}" + (f" (did you mean {close[0]!r}?)" if close else ""))
-        raise ValueError(
+        raise PlanSectionError(
             f"unknown sharding-plan section(s) {', '.join(hints)}; allowed sections are "
             f"{list(SECTIONS)} (a flat dict of parameter keys to placement lists is also "
             "accepted as the 'parameter' section)"
@@ -95,11 +153,10 @@ def normalize_plan(plan: Mapping[str, Any] | None) -> dict[str, dict[str, Any]]:
             )
         out[section] = dict(value)
     for key in out["forward"]:
-        if _split_io_key(key) is None:
-            raise ValueError(
-                f"forward plan key {key!r} must end with '.input' or '.output' "
-                "(or be 'input'/'output' for the root module)"
-            )
+        if not isinstance(key, str):
+            raise TypeError(f"forward plan keys must be str, got {key!r}")
+        if _split_io_key(key) is None and _split_tensor_key(key) is None:
+            raise ValueError(_FORWARD_KEY_HELP.format(key=key))
     return out
 
 
@@ -117,8 +174,19 @@ def _split_io_key(key: str) -> tuple[str, str] | None:
     if key in _IO_SUFFIXES:
         return "", key
     for suffix in _IO_SUFFIXES:
-        if key.endswith("." + suffix):
-            return key[: -len(suffix) - 1], suffix
+        # the separator as a regex (``\.input``) or as written (``.input``)
+        for sep in ("\\.", "."):
+            if key.endswith(sep + suffix):
+                return key[: -len(suffix) - len(sep)], suffix
+    return None
+
+
+def _split_tensor_key(key: str) -> tuple[str, str] | None:
+    """``"h.\\d+.mlp.fc1.weight"`` -> (module regex, attribute name), or None."""
+    for sep in ("\\.", "."):
+        head, found, attr = key.rpartition(sep)
+        if found and head and attr.isidentifier():
+            return head, attr
     return None
 
 
@@ -127,6 +195,10 @@ def _compile(key: str, section: str) -> re.Pattern:
         return re.compile(key)
     except re.error as e:
         raise ValueError(f"{section} plan key {key!r} is not a valid regex: {e}") from None
+
+
+class _NoMatch(ValueError):
+    """A forward key naming a parameter/buffer that no module has."""
 
 
 def _no_match(key: str, section: str, candidates: Sequence[str]) -> ValueError:
@@ -139,17 +211,17 @@ def _no_match(key: str, section: str, candidates: Sequence[str]) -> ValueError:
 
 # ------------------------------------------------------------------------- validation
 def _check_placements(value: Any, mesh: DeviceMesh, where: str) -> PlacementList:
-    if not isinstance(value, (list, tuple)):
-        raise TypeError(f"{where}: expected a list of placements (one per mesh dim), got {value!r}")
-    for p in value:
-        if not isinstance(p, Placement):
-            raise TypeError(f"{where}: {p!r} is not a Placement")
-    if len(value) != mesh.ndim:
+    """One placement per mesh dim; a shorter list is padded with ``Replicate()``."""
+    try:
+        return normalize_placements(value, mesh.ndim)
+    except TypeError as e:
+        raise TypeError(f"{where}: {e}") from None
+    except ValueError:
         raise ValueError(
             f"{where}: got {len(value)} placement(s) {[str(p) for p in value]} for a "
-            f"{mesh.ndim}-dim mesh {_mesh_desc(mesh)}; give one placement per mesh dim"
-        )
-    return tuple(value)
+            f"{mesh.ndim}-dim mesh {_mesh_desc(mesh)}; give at most one placement per mesh "
+            "dim (a shorter list is padded with Replicate())"
+        ) from None
 
 
 def _mesh_desc(mesh: DeviceMesh) -> str:
@@ -199,7 +271,26 @@ def check_param_placements(
             raise ValueError(f"{where}: {p} is not a valid placement for a parameter or buffer")
 
 
-def _check_forward_spec(spec: Any, mesh: DeviceMesh, where: str, names: set[str] | None):
+def _check_entry(value: Any, mesh: DeviceMesh, where: str) -> Any:
+    """One tensor's forward entry: ``None``, a placement list or a :class:`LocalLayout`."""
+    if value is None:
+        return None
+    if isinstance(value, LocalLayout):
+        return LocalLayout(
+            None if value.src is None else _check_placements(value.src, mesh, f"{where} (src)"),
+            None if value.dst is None else _check_placements(value.dst, mesh, f"{where} (dst)"),
+            bool(value.to_local),
+        )
+    return _check_placements(value, mesh, where)
+
+
+def _check_forward_spec(
+    spec: Any,
+    mesh: DeviceMesh,
+    where: str,
+    names: set[str] | None,
+    var_positional: str | None = None,
+):
     if _is_placement_list(spec) and spec:
         # A bare placement list: shorthand for a single tensor ([[...]]).
         return (_check_placements(spec, mesh, where),)
@@ -211,13 +302,26 @@ def _check_forward_spec(spec: Any, mesh: DeviceMesh, where: str, names: set[str]
                     f"{where}: argument {name!r} is not a parameter of forward(); "
                     f"known: {sorted(names)}"
                 )
-            out[name] = None if v is None else _check_placements(v, mesh, f"{where}[{name!r}]")
+            if (
+                name == var_positional
+                and v is not None
+                and not _is_placement_list(v)
+                and not isinstance(v, LocalLayout)
+            ):
+                # veScale's {"args": [[Shard(1)], None]}: one entry per extra positional
+                if not isinstance(v, (list, tuple)):
+                    raise TypeError(
+                        f"{where}[{name!r}]: expected a list with one entry per value of "
+                        f"*{name}, got {v!r}"
+                    )
+                out[name] = tuple(
+                    _check_entry(e, mesh, f"{where}[{name!r}][{i}]") for i, e in enumerate(v)
+                )
+                continue
+            out[name] = _check_entry(v, mesh, f"{where}[{name!r}]")
         return out
     if isinstance(spec, (list, tuple)):
-        return tuple(
-            None if v is None else _check_placements(v, mesh, f"{where}[{i}]")
-            for i, v in enumerate(spec)
-        )
+        return tuple(_check_entry(v, mesh, f"{where}[{i}]") for i, v in enumerate(spec))
     raise TypeError(
         f"{where}: expected a list (one entry per positional value) or a dict, got {spec!r}"
     )
@@ -234,6 +338,18 @@ def forward_arg_names(module: nn.Module) -> set[str] | None:
     return set(sig.parameters)
 
 
+def var_positional_name(module: nn.Module) -> str | None:
+    """Name of ``module.forward``'s ``*args`` parameter, if it has one."""
+    try:
+        sig = inspect.signature(module.forward)
+    except (TypeError, ValueError):
+        return None
+    return next(
+        (p.name for p in sig.parameters.values() if p.kind is inspect.Parameter.VAR_POSITIONAL),
+        None,
+    )
+
+
 # ------------------------------------------------------------------------- resolution
 def resolve_plan(
     module: nn.Module,
@@ -241,13 +357,24 @@ def resolve_plan(
     plan: dict[str, dict[str, Any]],
     *,
     allow_uneven: bool = False,
+    unmatched: str = "error",
 ) -> ResolvedPlan:
     """Match a normalized plan against ``module``; raise on any problem.
 
     Parameters and buffers take the placements of the first parameter key that
     full-matches one of their names (tied tensors: any of their names; conflicting
-    matches are an error). Unmatched ones are replicated.
+    matches are an error). Unmatched ones are replicated. A plan key that matches
+    nothing raises (``unmatched="error"``) or warns and is skipped (``"warn"``, veScale's
+    behaviour: its nanoGPT plan names biases that ``bias=False`` models lack).
     """
+    if unmatched not in ("error", "warn"):
+        raise ValueError(f"unmatched_plan_keys must be 'error' or 'warn', got {unmatched!r}")
+
+    def no_match(err: ValueError) -> None:
+        if unmatched == "error":
+            raise err
+        warnings.warn(f"{err}; the key is skipped", stacklevel=4)
+
     modules = dict(module.named_modules(remove_duplicate=False))
     # Every tensor (by identity) with all its names.
     tensors: dict[int, tuple[torch.Tensor, str, list[str]]] = {}
@@ -291,21 +418,72 @@ def resolve_plan(
         params.append(ParamEntry(names, kind, placements, key, tuple(t.shape)))
     for key, _, _ in param_keys:
         if key not in used:
-            raise _no_match(key, "parameter", all_names)
+            no_match(_no_match(key, "parameter", all_names))
 
     inputs: dict[str, tuple[str, Any]] = {}
     outputs: dict[str, tuple[str, Any]] = {}
+    tensors_fwd: dict[str, dict[str, tuple[str, PlacementList]]] = {}
     for key, spec in plan["forward"].items():
-        mod_rx, io = _split_io_key(key)  # type: ignore[misc]
+        split = _split_io_key(key)
+        if split is None:
+            try:
+                _resolve_forward_tensor(
+                    key, spec, modules, mesh, all_names, allow_uneven, tensors_fwd
+                )
+            except _NoMatch as err:
+                no_match(err)
+            continue
+        mod_rx, io = split
         rx = _compile(mod_rx, "forward")
         matched = [n for n in modules if rx.fullmatch(n)]
         if not matched:
-            raise _no_match(mod_rx, "forward", [n for n in modules if n])
+            no_match(_no_match(mod_rx, "forward", [n for n in modules if n]))
+            continue
         target = inputs if io == "input" else outputs
         for name in matched:
             if name in target:
                 continue  # an earlier key (user plan first) wins
             where = f"forward plan key {key!r} for module {name!r}"
             names = forward_arg_names(modules[name]) if io == "input" else None
-            target[name] = (key, _check_forward_spec(spec, mesh, where, names))
-    return ResolvedPlan(params, inputs, outputs)
+            varpos = var_positional_name(modules[name]) if io == "input" else None
+            target[name] = (key, _check_forward_spec(spec, mesh, where, names, varpos))
+    return ResolvedPlan(params, inputs, outputs, tensors_fwd)
+
+
+def _resolve_forward_tensor(
+    key: str,
+    spec: Any,
+    modules: dict[str, nn.Module],
+    mesh: DeviceMesh,
+    all_names: list[str],
+    allow_uneven: bool,
+    out: dict[str, dict[str, tuple[str, PlacementList]]],
+) -> None:
+    """A forward key naming a parameter/buffer: redistribute it before the module runs."""
+    split = _split_tensor_key(key)
+    if split is None:
+        raise ValueError(_FORWARD_KEY_HELP.format(key=key))
+    mod_rx, attr = split
+    rx = _compile(mod_rx, "forward")
+    matched = [
+        n
+        for n, m in modules.items()
+        if rx.fullmatch(n)
+        and (m._parameters.get(attr) is not None or m._buffers.get(attr) is not None)
+    ]
+    if not matched:
+        raise _NoMatch(
+            f"{_no_match(key, 'forward', all_names)} (forward keys end with '.input' or "
+            "'.output', or name a parameter or buffer of a submodule)"
+        )
+    if isinstance(spec, (list, tuple)) and len(spec) == 1 and isinstance(spec[0], (list, tuple)):
+        spec = spec[0]  # [[Replicate()]]: one tensor
+    for name in matched:
+        where = f"forward plan key {key!r} for {name}.{attr}"
+        placements = _check_placements(spec, mesh, where)
+        m = modules[name]
+        t = m._parameters.get(attr)
+        if t is None:
+            t = m._buffers[attr]
+        check_param_placements(placements, tuple(t.shape), mesh, where, allow_uneven)
+        out.setdefault(name, {}).setdefault(attr, (key, placements))

@@ -10,15 +10,27 @@ from torch.distributed.tensor import DTensor, Partial, Placement, Replicate, Sha
 
 from vescale.dtensor.__about__ import __version__
 from vescale.dtensor._dispatch import install_patches as _install_patches
-from vescale.dtensor._redistribute import RedistributePlan, RedistributeStep, StepContext, get_plan
+from vescale.dtensor._redistribute import (
+    RedistributePlan,
+    RedistributeStep,
+    StepContext,
+    application_order,
+    get_plan,
+)
 from vescale.dtensor.api import distribute_tensor, from_local, redistribute
 from vescale.dtensor.device_mesh import (
     DeviceMesh,
+    MeshMismatchError,
     get_default_timeout,
     init_device_mesh,
     set_default_timeout,
 )
-from vescale.dtensor.placement_types import OP_FAMILIES, PluginPlacement, is_plugin_placement
+from vescale.dtensor.placement_types import (
+    OP_FAMILIES,
+    PluginPlacement,
+    is_plugin_placement,
+    normalize_placements,
+)
 from vescale.dtensor.plugin import (
     get_plugin_manager,
     hookimpl,
@@ -33,6 +45,7 @@ _install_patches()
 __all__ = [
     "__version__",
     "DeviceMesh",
+    "MeshMismatchError",
     "init_device_mesh",
     "set_default_timeout",
     "get_default_timeout",
@@ -44,6 +57,7 @@ __all__ = [
     "PluginPlacement",
     "OP_FAMILIES",
     "is_plugin_placement",
+    "normalize_placements",
     "distribute_tensor",
     "redistribute",
     "from_local",
@@ -57,4 +71,5 @@ __all__ = [
     "StepContext",
     "RedistributePlan",
     "get_plan",
+    "application_order",
 ]

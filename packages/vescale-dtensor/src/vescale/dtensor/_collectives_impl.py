@@ -16,6 +16,8 @@ import torch
 import torch.distributed as dist
 from torch.distributed.device_mesh import DeviceMesh
 
+from vescale.dtensor._compat import C10D_FUNCTIONAL, default_group
+
 __all__ = [
     "CollectiveHandle",
     "GroupLike",
@@ -28,7 +30,7 @@ __all__ = [
 
 GroupLike = dist.ProcessGroup | tuple[DeviceMesh, int | str] | None
 
-funcol = torch.ops._c10d_functional
+funcol = C10D_FUNCTIONAL
 
 _OPS = {"sum": "sum", "avg": "avg", "mean": "avg", "max": "max", "min": "min", "product": "product"}
 _REDUCE_OPS = {
@@ -53,7 +55,7 @@ def resolve_group(group: GroupLike) -> dist.ProcessGroup:
             raise RuntimeError(
                 "the default process group is not initialised; create a DeviceMesh first"
             )
-        return dist.distributed_c10d._get_default_group()
+        return default_group()
     if isinstance(group, dist.ProcessGroup):
         return group
     if isinstance(group, tuple) and len(group) == 2 and isinstance(group[0], DeviceMesh):

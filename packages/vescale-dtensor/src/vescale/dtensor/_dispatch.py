@@ -113,6 +113,14 @@ _FOREACH_PREFIXES = (
     "aten::_fused_adagrad",
 )
 _FOREACH_REDUCTIONS = {"aten::_foreach_max"}
+# ``x.new_empty(x.shape, ...)`` and friends: a tensor of the same global shape, so of the
+# same layout (torch.distributed.checkpoint's staging builds its CPU copies with them)
+_NEW_LIKE = {
+    aten.new_empty.default,
+    aten.new_zeros.default,
+    aten.new_ones.default,
+    aten.new_full.default,
+}
 _FULL_REDUCTIONS = {aten.sum.default, aten.mean.default, aten.linalg_vector_norm.default}
 
 
@@ -159,6 +167,72 @@ def _allows(spec: Any, family: str) -> bool:
 _MISS = object()
 
 
+# ------------------------------------------------------------------ pending reductions
+# On a DTensor with a ``Partial`` placement each rank holds one term of a pending
+# reduction, so only ops that commute with that reduction may run on the local terms;
+# every other op takes the fallback path, where torch reduces first.
+_PARTIAL_STRUCTURAL = {
+    aten.detach.default,
+    aten.alias.default,
+    aten.clone.default,
+    aten.copy_.default,
+    aten.zero_.default,
+    aten.zeros_like.default,
+    aten.empty_like.default,
+    aten._to_copy.default,
+    aten.neg.default,
+    aten.neg_.default,
+}
+_PARTIAL_SCALE = {  # linear in the DTensor operand when every other operand is a scalar
+    aten.mul.Tensor,
+    aten.mul.Scalar,
+    aten.mul_.Tensor,
+    aten.mul_.Scalar,
+    aten.div.Tensor,
+    aten.div.Scalar,
+    aten.div_.Tensor,
+    aten.div_.Scalar,
+}
+_PARTIAL_SUM = {  # sums of terms of the same pending sum/average
+    aten.add.Tensor,
+    aten.add_.Tensor,
+    aten.sub.Tensor,
+    aten.sub_.Tensor,
+}
+_PARTIAL_FOREACH = {
+    "aten::_foreach_mul",
+    "aten::_foreach_mul_",
+    "aten::_foreach_div",
+    "aten::_foreach_div_",
+    "aten::_foreach_zero_",
+    "aten::_foreach_neg",
+    "aten::_foreach_neg_",
+}
+
+
+@functools.lru_cache(maxsize=1024)
+def _has_partial(placements: tuple) -> bool:
+    return any(p.is_partial() for p in placements)
+
+
+def _partial_linear(func, args: tuple, kwargs: dict) -> bool:
+    """Whether ``func`` commutes with the pending reductions of its DTensor operands."""
+    if func in _PARTIAL_STRUCTURAL:
+        return True
+    dts = [a for a in args if isinstance(a, DTensor)]
+    if func in _PARTIAL_SCALE:
+        # the scale must not be a DTensor, and for div the DTensor is the numerator
+        return len(dts) == 1 and isinstance(args[0], DTensor)
+    if func in _PARTIAL_SUM:
+        if len(dts) != len([a for a in args if isinstance(a, torch.Tensor)]) or len(dts) < 2:
+            return False
+        return all(
+            not p.is_partial() or getattr(p, "reduce_op", None) in ("sum", "avg")
+            for p in dts[0]._spec.placements
+        )
+    return False
+
+
 def _fast_pointwise(func, args: tuple, kwargs: dict) -> Any:
     """``_try_local`` for the common case: flat arguments (no lists or dicts).
 
@@ -183,6 +257,8 @@ def _fast_pointwise(func, args: tuple, kwargs: dict) -> Any:
             return _MISS
     if spec is None or not _allows_placements(spec.placements, "pointwise"):
         return _MISS
+    if _has_partial(spec.placements) and not _partial_linear(func, args, kwargs):
+        return _MISS
     out = func(*[a._local_tensor if isinstance(a, DTensor) else a for a in args], **kwargs)
     if not isinstance(out, torch.Tensor):  # e.g. a tuple of results
         return tree_map(lambda t: _wrap_like(t, spec) if isinstance(t, torch.Tensor) else t, out)
@@ -191,6 +267,15 @@ def _fast_pointwise(func, args: tuple, kwargs: dict) -> Any:
         i, name = mutated[0]
         return args[i] if i < len(args) else kwargs[name]
     return _compat.new_dtensor(PluginDTensor, out, _spec_for_dtype(spec, out.dtype), False)
+
+
+def _new_like(func, args: tuple, kwargs: dict) -> Any:
+    """``new_empty``/``new_zeros``/``new_ones``/``new_full`` of the DTensor's own global shape."""
+    x, size = args[0], args[1]
+    if not isinstance(x, DTensor) or tuple(size) != tuple(x._spec.shape):
+        return _MISS
+    local = func(x._local_tensor, tuple(x._local_tensor.shape), *args[2:], **kwargs)
+    return _wrap_like(local, x._spec)
 
 
 # ------------------------------------------------------------------ local execution
@@ -209,6 +294,9 @@ def _try_local(func, family: str, args: tuple, kwargs: dict) -> tuple[bool, Any]
             return False, None
     if spec is None or not _allows(spec, family):
         return False, None
+    if family == "pointwise" and _has_partial(spec.placements):
+        if not _partial_linear(func, args, kwargs):
+            return False, None
     if family == "full_reduction":
         return _full_reduction(func, spec, flat, treedef)
     local_flat = [a._local_tensor if isinstance(a, DTensor) else a for a in flat]
@@ -248,6 +336,8 @@ def _try_local_foreach(func, args: tuple, kwargs: dict) -> tuple[bool, Any]:
         return False, None
     for s in specs:
         if has_plugin_placement(s.placements) and not _allows(s, "foreach"):
+            return False, None
+        if _has_partial(s.placements) and func._schema.name not in _PARTIAL_FOREACH:
             return False, None
 
     def unwrap(a):
@@ -322,6 +412,8 @@ def _full_norm(spec, local, ord=2, dim=None, keepdim=False, *, dtype=None) -> tu
         pending = Partial("sum")
     else:
         pending = _compat.norm_partial(ord)
+        if pending is None:  # torch has no pending-norm placement: the general path
+            return False, None
     out_placements: list[Placement] = []
     for p in spec.placements:
         if isinstance(p, Partial):
@@ -412,6 +504,10 @@ class PluginDTensor(DTensor):
     @classmethod
     def __torch_dispatch__(cls, func, types, args=(), kwargs=None):  # type: ignore[override]
         kwargs = kwargs or {}
+        if func in _NEW_LIKE:
+            out = _new_like(func, args, kwargs)
+            if out is not _MISS:
+                return out
         family = _family(func)
         if family == "pointwise":
             out = _fast_pointwise(func, args, kwargs)
@@ -422,6 +518,16 @@ class PluginDTensor(DTensor):
             if done:
                 return out
         return _fallback(func, args, kwargs)
+
+    def data_ptr(self) -> int:  # type: ignore[override]
+        """0, as for torch's DTensors: the wrapper has no storage (its data is the local tensor's).
+
+        The wrapper is built with the local tensor's storage offset, so for a shard that
+        is a view into a flat buffer the inherited ``data_ptr()`` is ``offset * itemsize``
+        of no storage; torch.distributed.checkpoint's staging (``async_save``) reads a
+        non-zero value as "has a storage" and fails on the wrapper's invalid one.
+        """
+        return 0
 
     def __repr__(self) -> str:  # type: ignore[override]
         return (
@@ -489,8 +595,11 @@ class _FromLocal(torch.autograd.Function):
     def backward(ctx, grad: DTensor):  # type: ignore[override]
         spec = ctx.spec
         if isinstance(grad, DTensor):
-            if grad._spec.placements != spec.placements:
-                plan = get_plan(spec.mesh, grad._spec.placements, spec.placements, spec.shape)
+            # A partial input's gradient is the output's gradient itself on every rank
+            # (d(sum of contributions) / d(one contribution) = 1): Replicate, as in torch.
+            target = tuple(Replicate() if p.is_partial() else p for p in spec.placements)
+            if grad._spec.placements != target:
+                plan = get_plan(spec.mesh, grad._spec.placements, target, spec.shape)
                 return plan.run(grad._local_tensor), None
             return grad._local_tensor, None
         return grad, None
@@ -612,13 +721,48 @@ _patched_redistribute.__doc__ = _compat.ORIGINAL_REDISTRIBUTE.__doc__
 _patched_from_local.__doc__ = _compat.ORIGINAL_FROM_LOCAL.__doc__
 
 
+def _distribute_full(
+    tensor: torch.Tensor, mesh: DeviceMesh, placements: Sequence[Placement], **kwargs: Any
+) -> DTensor:
+    """torch's full-state-dict loading when every rank holds ``tensor`` (its ``src_data_rank``)."""
+    from vescale.dtensor.api import distribute_tensor
+
+    return distribute_tensor(tensor, mesh, placements, src_data_rank=kwargs.get("src_data_rank", 0))
+
+
+def _fill_local(key: str, local: DTensor, full: torch.Tensor) -> DTensor:
+    """Write this rank's piece of ``full`` (on every rank) into ``local`` (a new DTensor if meta)."""
+    from vescale.dtensor.api import distribute_tensor
+
+    if tuple(full.shape) != tuple(local.shape):
+        raise ValueError(
+            f"full state dict entry {key!r} has shape {tuple(full.shape)}, but the "
+            f"DTensor it loads into has global shape {tuple(local.shape)}"
+        )
+
+    piece = distribute_tensor(
+        full.detach().to(local._local_tensor.device, local.dtype),
+        local.device_mesh,
+        local.placements,
+        src_data_rank=None,
+    )
+    if local.is_meta:
+        return piece
+    with torch.no_grad():
+        local._local_tensor.copy_(piece._local_tensor)
+    return local
+
+
 def install_patches() -> None:
     """Route torch's ``DTensor.redistribute``/``from_local`` to vescale for plugin placements.
 
     Built-in-only calls go straight to torch's original implementation.
     """
     _compat.register_foreach_type(PluginDTensor)
+    _compat.route_subclass_dispatch(PluginDTensor)
     _compat.install_strided_split_rules()
     _compat.install_cpu_attention_rules()
+    _compat.install_unsafe_view_rule()
+    _compat.install_state_dict_rules(has_plugin_placement, _distribute_full, _fill_local)
     DTensor.redistribute = _patched_redistribute  # type: ignore[method-assign]
     DTensor.from_local = staticmethod(_patched_from_local)  # type: ignore[method-assign]

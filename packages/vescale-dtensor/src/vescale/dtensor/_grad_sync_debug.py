@@ -14,6 +14,8 @@ from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor, Replicate
 from torch.utils.weak import WeakIdKeyDictionary
 
+from vescale.dtensor import _compat
+
 __all__ = [
     "GradientSyncError",
     "GradientSyncDebugHandle",
@@ -54,7 +56,9 @@ class _State:
     model: nn.Module | None
     rtol: float
     names: dict[int, str] = field(default_factory=dict)
-    hooked: weakref.WeakSet = field(default_factory=weakref.WeakSet)
+    # keyed by identity: a WeakSet would compare tensors with ``==``
+    hooked: WeakIdKeyDictionary = field(default_factory=WeakIdKeyDictionary)
+    scanned: weakref.WeakSet = field(default_factory=weakref.WeakSet)
     handles: list = field(default_factory=list)
     pending: dict[int, nn.Parameter] = field(default_factory=dict)
     callback_queued: bool = False
@@ -149,10 +153,44 @@ def _check(state: _State) -> None:
                     f"{name}: gradient on ranks {bad} differs from rank {ranks[0]} "
                     f"(mesh dim {i} of {mesh}, where the parameter is Replicate())"
                 )
+    problems = _agree(problems, sorted({m for m, _ in groups}, key=str))
     if problems:
         raise GradientSyncError(
             "replicated gradients diverged across ranks:\n  " + "\n  ".join(problems)
         )
+
+
+def _agree(problems: list[str], meshes: list[DeviceMesh]) -> list[str]:
+    """Every rank of the checked meshes learns every rank's findings.
+
+    A divergence is seen only by the ranks of the mesh-dim groups where it happens (on a
+    2x2 mesh, rank 1 out of step is seen in its groups {0, 1} and {1, 3}, not by rank 2):
+    the others would carry on into the next collective and wait there for ever. A
+    reduction over each mesh dim in turn reaches the whole mesh; the findings are
+    exchanged the same way, only when there are some.
+    """
+    if not meshes:
+        return problems
+    seen = 1.0 if problems else 0.0
+    for mesh in meshes:
+        flag = torch.tensor([seen], device=mesh.device_type)
+        for i in range(mesh.ndim):
+            group = mesh.get_group(i)
+            if dist.get_world_size(group) > 1:
+                dist.all_reduce(flag, op=dist.ReduceOp.MAX, group=group)
+        seen = max(seen, flag.item())
+    if not seen:
+        return problems
+    found = set(problems)
+    for mesh in meshes:
+        for i in range(mesh.ndim):
+            group = mesh.get_group(i)
+            n = dist.get_world_size(group)
+            if n > 1:
+                everyone: list = [None] * n
+                dist.all_gather_object(everyone, sorted(found), group=group)
+                found.update(*everyone)
+    return sorted(found)
 
 
 def _make_hook(state: _State):
@@ -162,7 +200,7 @@ def _make_hook(state: _State):
             if state.callback_queued:
                 return
             state.callback_queued = True
-        torch.autograd.Variable._execution_engine.queue_callback(lambda: _check(state))
+        _compat.queue_callback(lambda: _check(state))
 
     return hook
 
@@ -170,9 +208,9 @@ def _make_hook(state: _State):
 def _watch(state: _State, p: nn.Parameter, name: str | None) -> None:
     if p in state.hooked or not p.requires_grad or not _replicated_dims(p):
         return
-    state.hooked.add(p)
+    state.hooked[p] = True
     if name is not None:
-        state.names[id(p)] = name
+        state.names.setdefault(id(p), name)
     state.handles.append(p.register_post_accumulate_grad_hook(_make_hook(state)))
 
 
@@ -185,9 +223,10 @@ def enable_gradient_sync_debug(
     plain parameter declared a replica with :func:`declare_replicated`), a cheap
     checksum of its gradient (sum, sum of squares and a position-weighted sum, in
     float64) is all-gathered over that mesh dim once per backward (one collective
-    per mesh dim, for all parameters together) and compared. A divergence raises
-    :class:`GradientSyncError` from ``backward()`` on every rank, naming the
-    parameters and the ranks that differ.
+    per mesh dim, for all parameters together) and compared; a one-element all-reduce
+    per mesh dim then tells every rank of the mesh whether any group diverged. A
+    divergence raises `GradientSyncError` from `backward()` on every rank of
+    the mesh, naming the parameters and the ranks that differ.
 
     Off by default and zero cost when off: nothing is hooked until this is called.
 
@@ -208,6 +247,12 @@ def enable_gradient_sync_debug(
     else:
 
         def discover(module: nn.Module, args: object) -> None:
+            # The outermost module runs its pre-hook first: its names (e.g.
+            # ``linear.weight``) qualify every parameter below it.
+            if module not in state.scanned:
+                state.scanned.add(module)
+                for qual, p in module.named_parameters():
+                    state.names.setdefault(id(p), qual)
             for pname, p in module.named_parameters(recurse=False):
                 _watch(state, p, f"{type(module).__name__}.{pname}")
 

@@ -5,13 +5,20 @@ one-mesh-dim steps. Steps come from the ``vescale_redistribute_step`` hook (aske
 once per placement pair and cached); plans are cached per (mesh, source, destination,
 global shape). Executing a plan runs the cached step callables, never a hook.
 
-Mesh dims apply left to right: the *logical tensor* of mesh dim ``i`` is the global
-tensor after the placements of mesh dims ``0..i-1``. Changing the placement of mesh
-dim ``i`` is a single collective on that mesh dim only when no inner mesh dim shards
-the tensor, so the planner (1) reduces ``Partial`` dims that must change, (2) gathers
-inner sharded dims from the innermost out, (3) runs the direct step of the outermost
-dim whose sharding changes (or routes it through ``Replicate()``), and (4) re-shards
-outward-in by local selection, which moves no data.
+Mesh dims apply left to right (the *application order*, see
+``application_order``), with one exception: a ``Shard(d)`` whose tensor dim ``d``
+an earlier plugin placement would cut through applies *before* that placement. So
+``[RaggedShard((0,), units), Shard(0)]`` on a ``(dp, tp)`` mesh takes the tp shard
+first and ragged-splits the tp-local tensor over dp (veScale's FSDP x TP layout).
+The *logical tensor* of a mesh dim is the global tensor after the placements applied
+before it. Changing the placement of mesh dim ``i`` is a single collective on that
+mesh dim only when no mesh dim applied after it shards the tensor, so the planner
+(1) reduces ``Partial`` dims that must change, (2) gathers the sharded dims applied
+after the first changing one, last applied first, (3) runs the direct step of that
+dim (or routes it through ``Replicate()``), and (4) re-shards in application order by
+local selection, which moves no data. Source and destination are walked in one
+order that is valid for both; when none exists (their common sharded dims apply in
+different orders) the plan goes through the source with every sharded dim gathered.
 """
 
 from __future__ import annotations
@@ -29,7 +36,14 @@ from torch.distributed.tensor import Partial, Placement, Replicate, Shard
 from vescale.dtensor import _compat
 from vescale.dtensor.placement_types import PluginPlacement
 
-__all__ = ["StepContext", "RedistributeStep", "RedistributePlan", "get_plan", "step_for"]
+__all__ = [
+    "StepContext",
+    "RedistributeStep",
+    "RedistributePlan",
+    "application_order",
+    "get_plan",
+    "step_for",
+]
 
 
 @dataclass(frozen=True)
@@ -93,11 +107,61 @@ def step_for(src: Placement, dst: Placement) -> RedistributeStep | None:
 
 
 # ---------------------------------------------------------------------- geometry
+def _local_ndim(p: PluginPlacement, ndim: int) -> int:
+    """Dims of ``p``'s local tensor, from its dim map (1 if every dim was cut)."""
+    mapped = [d for d in (p.local_dim(x, ndim) for x in range(ndim)) if d is not None]
+    return max(mapped) + 1 if mapped else 1
+
+
+def _first_cut(
+    order: list[int], placements: Sequence[Placement], dim: int, ndim: int
+) -> int | None:
+    """Position in ``order`` of the first plugin placement that cuts through ``dim``."""
+    d: int | None = dim
+    for pos, m in enumerate(order):
+        q = placements[m]
+        if isinstance(q, PluginPlacement):
+            nd = q.local_dim(d, ndim)  # type: ignore[arg-type]
+            if nd is None:
+                return pos
+            d, ndim = nd, _local_ndim(q, ndim)
+    return None
+
+
+def application_order(placements: Sequence[Placement], ndim: int) -> tuple[int, ...]:
+    """The order in which the mesh dims of ``placements`` apply to a tensor of ``ndim`` dims.
+
+    Mesh dims apply left to right, except that a ``Shard(d)`` applies right before the
+    first plugin placement (earlier in the order) that would cut through tensor dim
+    ``d``: ``[RaggedShard((0,), u), Shard(0)]`` applies ``Shard(0)`` first and then the
+    ragged split inside the shard. Shards moved this way keep their mesh order among
+    themselves. Layouts whose shards no plugin cuts through apply in mesh order.
+
+    Args:
+        placements: One placement per mesh dim.
+        ndim: Number of dims of the global tensor.
+
+    Returns:
+        A permutation of ``range(len(placements))``.
+    """
+    order: list[int] = []
+    for j, p in enumerate(placements):
+        if type(p) is Shard and ndim:
+            pos = _first_cut(order, placements, p.dim % ndim, ndim)
+            if pos is not None:
+                order.insert(pos, j)
+                continue
+        order.append(j)
+    return tuple(order)
+
+
 def localize(
     mesh: DeviceMesh,
     placements: Sequence[Placement],
     global_shape: Sequence[int],
     coord: Sequence[int] | None = None,
+    *,
+    order: Sequence[int] | None = None,
 ) -> tuple[list[tuple[Placement, tuple[int, ...]]], tuple[int, ...]]:
     """Per mesh dim: the effective placement and the logical shape it distributes.
 
@@ -106,10 +170,14 @@ def localize(
         placements: One placement per mesh dim.
         global_shape: Shape of the global tensor.
         coord: Mesh coordinate to compute for (default: this rank's).
+        order: Application order of the mesh dims (default:
+            ``application_order``); the planner passes an order valid for both
+            ends of a redistribution.
 
     Returns:
         ``(per_dim, local_shape)`` where ``per_dim[i] = (effective placement, logical
-        shape of mesh dim i)`` and ``local_shape`` is this rank's local tensor shape.
+        shape of mesh dim i)``, indexed by mesh dim, and ``local_shape`` is this rank's
+        local tensor shape.
 
     Raises:
         ValueError: A placement cannot distribute the shape it meets.
@@ -119,13 +187,17 @@ def localize(
         if coord is None:
             raise ValueError(f"this rank is not part of mesh {mesh}")
     shape = tuple(int(s) for s in global_shape)
+    if order is None:
+        order = application_order(placements, len(shape))
     dim_map: list[int | None] = list(range(len(shape)))
-    out: list[tuple[Placement, tuple[int, ...]]] = []
-    for i, p in enumerate(placements):
+    out: list[tuple[Placement, tuple[int, ...]] | None] = [None] * len(placements)
+    applied: list[int] = []
+    for i in order:
+        p = placements[i]
         n = mesh.size(i)
         if isinstance(p, PluginPlacement):
             p.check_shape(shape, n)
-            out.append((p, shape))
+            out[i] = (p, shape)
             new_shape = tuple(int(s) for s in p.local_shape(shape, n, coord[i]))
             dim_map = [None if d is None else p.local_dim(d, len(shape)) for d in dim_map]
             shape = new_shape
@@ -143,16 +215,17 @@ def localize(
             d = dim_map[gdim]
             if d is None:
                 raise ValueError(
-                    f"{p} on mesh dim {i} shards a tensor dim that an outer plugin placement "
-                    f"({[str(q) for q in placements[:i]]}) has already cut through"
+                    f"{p} on mesh dim {i} shards a tensor dim that a plugin placement applied "
+                    f"before it ({[str(placements[q]) for q in applied]}) has already cut through"
                 )
             eff = Shard(d)
-            out.append((eff, shape))
+            out[i] = (eff, shape)
             size, _ = _compat.shard_size_and_offset(shape[d], n, coord[i])
             shape = shape[:d] + (size,) + shape[d + 1 :]
         else:
-            out.append((p, shape))
-    return out, shape
+            out[i] = (p, shape)
+        applied.append(i)
+    return out, shape  # type: ignore[return-value]
 
 
 _MAX_VALIDATED_COORDS = 4096
@@ -243,6 +316,42 @@ def get_plan(
     return plan
 
 
+def _sharding_sequence(placements: tuple[Placement, ...], order: Sequence[int]) -> list[int]:
+    return [m for m in order if is_sharding(placements[m])]
+
+
+def _joint_order(
+    src: tuple[Placement, ...], dst: tuple[Placement, ...], ndim: int
+) -> tuple[int, ...] | None:
+    """One application order valid for both layouts, or ``None`` if there is none.
+
+    Only sharding dims constrain the order (``Replicate``/``Partial`` apply anywhere):
+    the sharded dims of both layouts are merged, which works iff the dims sharded in
+    both apply in the same relative order. Mesh order whenever it is valid for both.
+    """
+    k = len(src)
+    a = _sharding_sequence(src, application_order(src, ndim))
+    b = _sharding_sequence(dst, application_order(dst, ndim))
+    if a == sorted(a) and b == sorted(b):
+        return tuple(range(k))
+    a_set, b_set = set(a), set(b)
+    if [m for m in a if m in b_set] != [m for m in b if m in a_set]:
+        return None
+    merged: list[int] = []
+    i = j = 0
+    while i < len(a) or j < len(b):
+        if i < len(a) and j < len(b) and a[i] == b[j]:
+            merged.append(a[i])
+            i, j = i + 1, j + 1
+        elif i < len(a) and a[i] not in b_set:
+            merged.append(a[i])
+            i += 1
+        else:  # b[j] is not in a: the common dims come in the same order
+            merged.append(b[j])
+            j += 1
+    return tuple(merged + [m for m in range(k) if m not in a_set | b_set])
+
+
 def _build_plan(
     mesh: DeviceMesh,
     src: tuple[Placement, ...],
@@ -261,15 +370,37 @@ def _build_plan(
     # communication (an error on some ranks only would leave the others hanging).
     validate_layout(mesh, src, global_shape)
     validate_layout(mesh, dst, global_shape)
+    ndim = len(global_shape)
+    order = _joint_order(src, dst, ndim)
+    if order is not None:
+        steps = _plan_steps(mesh, src, dst, global_shape, order)
+    else:
+        # No common order: gather every sharded dim of the source, then re-shard.
+        mid = tuple(Replicate() if is_sharding(p) else p for p in src)
+        steps = _plan_steps(
+            mesh, src, mid, global_shape, application_order(src, ndim)
+        ) + _plan_steps(mesh, mid, dst, global_shape, application_order(dst, ndim))
+    return RedistributePlan(src, dst, steps)
 
+
+def _plan_steps(
+    mesh: DeviceMesh,
+    src: tuple[Placement, ...],
+    dst: tuple[Placement, ...],
+    global_shape: tuple[int, ...],
+    order: tuple[int, ...],
+) -> list[_PlannedStep]:
+    """The steps from ``src`` to ``dst``, walking the mesh dims in ``order``."""
+    k = mesh.ndim
     coord = mesh.get_coordinate()
+    pos = {m: q for q, m in enumerate(order)}
     cur = list(src)
     steps: list[_PlannedStep] = []
 
     def add(i: int, a: Placement, b: Placement) -> None:
-        per_dim, _ = localize(mesh, cur, global_shape)
+        per_dim, _ = localize(mesh, cur, global_shape, order=order)
         a_eff, logical = per_dim[i]
-        b_eff = _effective(b, cur, i, per_dim)
+        b_eff = _effective(b, cur, i, per_dim, order)
         fn = step_for(a_eff, b_eff)
         if fn is None:
             raise NotImplementedError(
@@ -281,9 +412,9 @@ def _build_plan(
         cur[i] = b
 
     def add_routed(i: int, a: Placement, b: Placement) -> None:
-        per_dim, _ = localize(mesh, cur, global_shape)
+        per_dim, _ = localize(mesh, cur, global_shape, order=order)
         a_eff = per_dim[i][0]
-        b_eff = _effective(b, cur, i, per_dim)
+        b_eff = _effective(b, cur, i, per_dim, order)
         if step_for(a_eff, b_eff) is not None:
             add(i, a, b)
             return
@@ -306,49 +437,54 @@ def _build_plan(
     shape_changing = [
         i for i in range(k) if cur[i] != dst[i] and (is_sharding(cur[i]) or is_sharding(dst[i]))
     ]
-    f = min(shape_changing) if shape_changing else k
+    f = min(shape_changing, key=pos.__getitem__) if shape_changing else None
     # (1) value-only reductions that must happen anyway (commute with any sharding).
-    for i in range(k):
+    for i in order:
         if i != f and cur[i].is_partial() and cur[i] != dst[i]:
             add(i, cur[i], Replicate())
-    if f < k:
-        # (2) unshard inner dims, innermost first, so each gather is a single collective.
-        for i in reversed(range(f + 1, k)):
+    if f is not None:
+        # (2) unshard the dims applied after f, last applied first, so each gather is a
+        # single collective.
+        for i in reversed(order[pos[f] + 1 :]):
             if is_sharding(cur[i]):
                 add(i, cur[i], Replicate())
-        # (3) the outermost changing dim: direct step or through Replicate().
+        # (3) the first changing dim: direct step or through Replicate().
         add_routed(f, cur[f], dst[f])
-    # (4) re-shard / partition outward-in from Replicate(): local, no communication.
-    for i in range(k):
+    # (4) re-shard / partition in application order from Replicate(): local, no
+    # communication.
+    for i in order:
         if cur[i] != dst[i]:
             if not isinstance(cur[i], Replicate):
                 add(i, cur[i], Replicate())
             add(i, cur[i], dst[i])
-    return RedistributePlan(src, dst, steps)
+    return steps
 
 
 def _effective(
-    b: Placement, cur: list[Placement], i: int, per_dim: list[tuple[Placement, tuple[int, ...]]]
+    b: Placement,
+    cur: list[Placement],
+    i: int,
+    per_dim: list[tuple[Placement, tuple[int, ...]]],
+    order: Sequence[int],
 ) -> Placement:
     """Map a destination ``Shard(d)`` on mesh dim ``i`` into the logical tensor's dims."""
     if type(b) is not Shard:
         return b
-    # Mesh dims < i are unchanged by the step, so their dim mapping applies.
-    return _map_shard(b, cur[:i], per_dim, i)
-
-
-def _map_shard(
-    b: Shard, prefix: list[Placement], per_dim: list[tuple[Placement, tuple[int, ...]]], i: int
-) -> Shard:
-    ndim = len(per_dim[0][1]) if per_dim else 0
+    # The dims applied before i are unchanged by the step, so their dim mapping applies.
+    before = list(order[: list(order).index(i)])
+    ndim = len(per_dim[order[0]][1]) if per_dim else 0
     dim_map: list[int | None] = list(range(ndim))
-    for j, p in enumerate(prefix):
+    for j in before:
+        p = cur[j]
         if isinstance(p, PluginPlacement):
             logical = per_dim[j][1]
             dim_map = [None if d is None else p.local_dim(d, len(logical)) for d in dim_map]
     d = dim_map[b.dim]
     if d is None:
-        raise ValueError(f"{b} on mesh dim {i} shards a tensor dim an outer plugin placement cut")
+        raise ValueError(
+            f"{b} on mesh dim {i} shards a tensor dim that a plugin placement applied before "
+            "it cut through"
+        )
     return Shard(d)
 
 

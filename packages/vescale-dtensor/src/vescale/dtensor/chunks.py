@@ -5,7 +5,9 @@ offsets and sizes in the global tensor). Plugin placements may give a rank data 
 is not one box, e.g. ``RaggedShard`` holds one contiguous range of the row-major
 storage. This module turns a rank's local tensor into boxes without communication.
 
-Mesh dims apply left to right. While walking them we keep a list of *regions*
+Mesh dims apply in their application order (left to right, except that a ``Shard``
+applies before a plugin placement that would cut through its dim; see
+``vescale.dtensor.application_order``). While walking them we keep a list of *regions*
 (global boxes) with the invariant::
 
     local.reshape(-1) == cat([global[box].reshape(-1) for box in regions])
@@ -36,7 +38,8 @@ from dataclasses import dataclass
 import torch
 from torch.distributed.tensor import Placement, Replicate, Shard
 
-from vescale.dtensor import PluginPlacement
+from vescale.dtensor import PluginPlacement, _compat
+from vescale.dtensor._redistribute import application_order
 
 __all__ = [
     "Box",
@@ -160,7 +163,8 @@ def local_boxes(
     regions: list[tuple[tuple[int, ...], tuple[int, ...]]] = [((0,) * len(gshape), gshape)]
     local_shape = gshape
     gdim_of: list[int | None] = list(range(len(gshape)))
-    for i, p in enumerate(placements):
+    for i in application_order(placements, len(gshape)):
+        p = placements[i]
         n, c = int(mesh_shape[i]), int(coordinate[i])
         if isinstance(p, Replicate):
             continue
@@ -193,12 +197,14 @@ def local_boxes(
             gdim_of, local_shape = new_gdim, new_local
             continue
         if type(p) is Shard:
-            d = p.dim % len(local_shape) if local_shape else p.dim
-            g = gdim_of[d]
-            if g is None:
+            # Shard(d) names a dim of the global tensor; find where it lives locally.
+            g = p.dim % len(gshape) if gshape else p.dim
+            if g not in gdim_of:
                 raise UnsupportedLayout(
-                    f"{p} on mesh dim {i} shards a dim that an outer plugin placement cut through"
+                    f"{p} on mesh dim {i} shards a dim that a plugin placement applied "
+                    "before it cut through"
                 )
+            d = gdim_of.index(g)
             size_d, off_d = Shard.local_shard_size_and_offset(local_shape[d], n, c)
             size_d, off_d = int(size_d), int(off_d)
             new_regions = []
@@ -249,7 +255,7 @@ def _dtensor_boxes(dt) -> tuple[list[Box], torch.Tensor]:
             f"{list(dt.placements)} directly: {exc}. Use vescale.checkpoint, which "
             "redistributes such tensors."
         ) from exc
-    local = dt._local_tensor
+    local = _compat.local_tensor(dt)
     if tuple(local.shape) != tuple(local_shape):
         raise UnsupportedLayout(
             f"local tensor of shape {tuple(local.shape)} but the placements imply {local_shape}"

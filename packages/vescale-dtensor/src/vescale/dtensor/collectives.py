@@ -240,7 +240,7 @@ def all_gather_uneven(
             return shaped(torch.cat([rows[i, : sizes[i] * inner] for i in range(n)]))
 
         return finish(CollectiveHandle([out], unpad), async_op)
-    flat = x.reshape(1, -1).expand(n, -1).reshape(-1)
+    flat = x.reshape(-1).repeat(n)  # a copy: a one-element piece would expand to stride 0
     out = funcol.all_to_all_single(flat, [s * inner for s in sizes], [x.numel()] * n, pg.group_name)
     return finish(CollectiveHandle([out], lambda r: shaped(r[0])), async_op)
 

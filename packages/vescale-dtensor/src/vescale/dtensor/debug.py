@@ -26,6 +26,9 @@ Coalesced variants add up their tensors. This covers torch's functional
 collectives (what DTensor redistribution issues), the eager
 ``torch.distributed`` collectives (seen as ``c10d`` ops) and therefore
 everything in :mod:`vescale.dtensor.collectives`.
+
+``visualize_sharding`` is torch's, re-exported for veScale programs (built-in
+placements only).
 """
 
 from __future__ import annotations
@@ -36,9 +39,11 @@ from typing import Any
 import torch
 import torch.distributed as dist
 from torch.distributed.tensor.debug import CommDebugMode as _TorchCommDebugMode
-from torch.distributed.tensor.debug._comm_mode import NATIVE_TO_PY_MAPPING
+from torch.distributed.tensor.debug import visualize_sharding
 
-__all__ = ["CommDebugMode", "collective_bytes_sent"]
+from vescale.dtensor._compat import COMM_OP_ALIASES, resolve_group_name
+
+__all__ = ["CommDebugMode", "collective_bytes_sent", "visualize_sharding"]
 
 _GATHER = {
     "all_gather_into_tensor",
@@ -91,11 +96,7 @@ def _process_group(bound: dict[str, Any]) -> dist.ProcessGroup | None:
     pg = bound.get("process_group")
     if pg is None and "group_name" in bound:
         name = bound["group_name"]
-        pg = (
-            name
-            if isinstance(name, dist.ProcessGroup)
-            else dist.distributed_c10d._resolve_process_group(name)
-        )
+        pg = name if isinstance(name, dist.ProcessGroup) else resolve_group_name(name)
     if pg is not None and not isinstance(pg, dist.ProcessGroup):
         pg = dist.ProcessGroup.unbox(pg)  # c10d ops carry a boxed TorchScript object
     return pg
@@ -188,7 +189,7 @@ class CommDebugMode(_TorchCommDebugMode):
         out = super().__torch_dispatch__(func, types, args, kwargs)
         if out is not NotImplemented and self.get_total_counts() != before:
             packet = func._overloadpacket
-            key = NATIVE_TO_PY_MAPPING.get(packet, packet)
+            key = COMM_OP_ALIASES.get(packet, packet)
             sent = collective_bytes_sent(func, args, kwargs)
             self.comm_bytes[key] += sent
             pg = _process_group(_bind(func, args, kwargs or {}))

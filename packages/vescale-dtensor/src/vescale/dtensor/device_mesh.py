@@ -12,7 +12,14 @@ so it is accepted wherever torch expects a mesh (DTensor, FSDP2,
   is created so that scripts also run as plain ``python``;
 * applies a collective timeout (:func:`set_default_timeout`, environment
   variable ``VESCALE_COLLECTIVE_TIMEOUT``, default 300 s) to the process
-  groups it creates.
+  groups it creates (and, when the timeout is configured, to a default
+  group the caller created); joining the default group it creates waits for
+  the last rank to start for at least 300 s, whatever the collective timeout;
+* checks that every rank builds the same mesh: one all-gather of a small
+  fingerprint (device type, shape, ranks, dimension names) over the default
+  group, under the timeout, before any group is created. Ranks that disagree
+  raise `MeshMismatchError` on every rank, naming both versions,
+  instead of hanging in torch's group creation.
 
 Sub-meshes obtained by slicing (``mesh["tp"]``) are torch's own
 ``DeviceMesh`` objects, as torch builds them internally.
@@ -22,6 +29,7 @@ from __future__ import annotations
 
 import math
 import os
+import zlib
 from collections.abc import Sequence
 from datetime import timedelta
 from typing import Any
@@ -30,10 +38,18 @@ import torch
 import torch.distributed as dist
 from torch.distributed.device_mesh import DeviceMesh as _TorchDeviceMesh
 
-__all__ = ["DeviceMesh", "get_default_timeout", "init_device_mesh", "set_default_timeout"]
+__all__ = [
+    "DeviceMesh",
+    "MeshMismatchError",
+    "get_default_timeout",
+    "init_device_mesh",
+    "set_default_timeout",
+]
 
 TIMEOUT_ENV = "VESCALE_COLLECTIVE_TIMEOUT"
 _DEFAULT_TIMEOUT_S = 300.0
+#: Joining the default group waits at least this long for the last rank to start.
+_JOIN_TIMEOUT_MIN_S = 300.0
 _timeout_override: float | None = None
 _BACKENDS = {"cpu": "gloo", "cuda": "nccl"}
 _TORCHRUN_VARS = ("RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT")
@@ -84,6 +100,81 @@ def get_default_timeout() -> float:
     if env:
         return _check_timeout(env, f"environment variable {TIMEOUT_ENV}")
     return _DEFAULT_TIMEOUT_S
+
+
+class MeshMismatchError(ValueError):
+    """Ranks constructed different device meshes (shape, ranks, names or device type).
+
+    Raised on every rank by `DeviceMesh` and `init_device_mesh` before any process
+    group is created.
+
+    Attributes:
+        versions: ``{description: [global ranks that built it]}``.
+    """
+
+    def __init__(self, versions: dict[str, list[int]]) -> None:
+        self.versions = versions
+        parts = "; ".join(f"ranks {ranks} built {desc}" for desc, ranks in versions.items())
+        super().__init__(
+            f"ranks disagree on the device mesh: {parts}. Every rank must construct the "
+            "same DeviceMesh (same shape, ranks, dimension names and device type)"
+        )
+
+
+def _describe_mesh(device_type: str, tensor: torch.Tensor, names: tuple[str, ...] | None) -> str:
+    ranks = tensor.tolist() if tensor.numel() <= 64 else f"<{tensor.numel()} ranks>"
+    return f"a {device_type!r} mesh of shape {tuple(tensor.shape)} with ranks {ranks}" + (
+        f" and dim names {names}" if names else ""
+    )
+
+
+def _fingerprint(
+    device_type: str, tensor: torch.Tensor, names: tuple[str, ...] | None
+) -> list[int]:
+    def crc(text: str) -> int:
+        return zlib.crc32(text.encode())
+
+    return [
+        tensor.ndim,
+        tensor.numel(),
+        crc(repr(tuple(tensor.shape))),
+        zlib.crc32(tensor.contiguous().numpy().tobytes()),
+        crc(repr(names)),
+        crc(device_type),
+    ]
+
+
+def _exchange_device() -> torch.device:
+    """A device the default group can run a collective on."""
+    backend = str(dist.get_backend()).lower()
+    if "gloo" in backend or "cpu" in backend or not torch.cuda.is_available():
+        return torch.device("cpu")
+    return torch.device("cuda", torch.cuda.current_device())
+
+
+def _check_same_mesh(device_type: str, tensor: torch.Tensor, names: tuple[str, ...] | None) -> None:
+    """Raise `MeshMismatchError` on every rank unless all ranks build this mesh.
+
+    One all-gather of a fixed-size fingerprint over the default group; only when the
+    fingerprints differ, a second one (every rank sees the same fingerprints, so all
+    take it) exchanges the descriptions for the error message.
+    """
+    world = dist.get_world_size()
+    if world == 1:
+        return
+    device = _exchange_device()
+    mine = torch.tensor(_fingerprint(device_type, tensor, names), dtype=torch.int64, device=device)
+    gathered = [torch.empty_like(mine) for _ in range(world)]
+    dist.all_gather(gathered, mine)
+    rows = [tuple(g.tolist()) for g in gathered]
+    if len(set(rows)) == 1:
+        return
+    descriptions: list[Any] = [None] * world
+    dist.all_gather_object(descriptions, _describe_mesh(device_type, tensor, names))
+    versions: dict[str, list[int]] = {}
+    for rank, desc in enumerate(descriptions):
+        versions.setdefault(str(desc), []).append(rank)
+    raise MeshMismatchError(versions)
 
 
 def _check_device_type(device_type: Any) -> str:
@@ -176,20 +267,42 @@ def _ensure_process_group(device_type: str) -> None:
             f"cannot initialise the process group from the environment: {present} are set but {missing} are not "
             "(launch with torchrun, or initialise the process group yourself)"
         )
-    dist.init_process_group(backend, init_method="env://", timeout=timeout)
+    # Joining waits for the slowest rank to start, which may take longer than a short
+    # collective timeout; the group's collectives then get the timeout itself.
+    join = max(timeout, timedelta(seconds=_JOIN_TIMEOUT_MIN_S))
+    dist.init_process_group(backend, init_method="env://", timeout=join)
+    if join != timeout:
+        _set_timeout(None)
 
 
-def _apply_timeout(mesh: _TorchDeviceMesh) -> None:
-    seconds = timedelta(seconds=get_default_timeout())
+def _set_timeout(group: Any) -> None:
+    try:
+        backend = str(dist.get_backend(group)).lower()
+    except Exception:  # noqa: BLE001 (not a group of this rank)
+        return
+    if "gloo" not in backend and "nccl" not in backend:
+        return  # e.g. torch's threaded test group: no timeout to set
+    try:
+        dist.distributed_c10d._set_pg_timeout(timedelta(seconds=get_default_timeout()), group)
+    except Exception:  # noqa: BLE001 (backend without timeout support)
+        pass
+
+
+def _apply_timeout(mesh: _TorchDeviceMesh, default_group_too: bool) -> None:
+    """The collective timeout on the groups of ``mesh``'s dims (torch gives them 30 min).
+
+    A dim over the whole world uses the default group: that one only with
+    ``default_group_too`` (vescale created it, or the timeout is configured).
+    """
+    default = dist.group.WORLD
     for dim in range(mesh.ndim):
         try:
             group = mesh.get_group(dim)
         except Exception:  # noqa: BLE001 (rank outside the mesh: no group)
             continue
-        try:
-            dist.distributed_c10d._set_pg_timeout(seconds, group)
-        except Exception:  # noqa: BLE001 (backend without timeout support)
+        if group is default and not default_group_too:
             continue
+        _set_timeout(group)
 
 
 class DeviceMesh(_TorchDeviceMesh):
@@ -206,6 +319,8 @@ class DeviceMesh(_TorchDeviceMesh):
     Raises:
         ValueError: On an unknown device type, a malformed mesh, duplicate or
             out-of-range ranks, or mismatched/duplicate dimension names.
+        MeshMismatchError: (a ``ValueError``, on every rank) Ranks passed different
+            meshes.
 
     Example:
         .. code-block:: python
@@ -236,9 +351,11 @@ class DeviceMesh(_TorchDeviceMesh):
             raise ValueError(
                 f"mesh ranks must lie in range(world_size={world}); got {outside} in {tensor.tolist()}"
             )
+        if _timeout_configured() and not created:
+            _set_timeout(None)  # the fingerprint exchange runs on the default group
+        _check_same_mesh(device_type, tensor, names)
         super().__init__(device_type, tensor, mesh_dim_names=names, **kwargs)
-        if created or _timeout_configured():
-            _apply_timeout(self)
+        _apply_timeout(self, default_group_too=created or _timeout_configured())
 
 
 def init_device_mesh(
@@ -262,6 +379,8 @@ def init_device_mesh(
     Raises:
         ValueError: On a malformed shape, a shape whose size differs from the
             world size, or invalid names or device type.
+        MeshMismatchError: (a ``ValueError``, on every rank) Ranks passed different
+            shapes or names.
     """
     device_type = _check_device_type(device_type)
     if isinstance(mesh_shape, int):

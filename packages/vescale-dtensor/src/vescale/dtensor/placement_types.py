@@ -1,8 +1,15 @@
-"""Placements: torch's built-ins, re-exported, and the base class for plugin placements."""
+"""Placements: torch's built-ins, re-exported, and the base class for plugin placements.
+
+Placement classes contributed by plugins are attributes of this module too, resolved
+by name through the placement registry (a module ``__getattr__``), so veScale's
+``from vescale.dtensor.placement_types import RaggedShard`` works whenever
+vescale-ragged is installed, while vescale-dtensor itself never imports a plugin.
+"""
 
 from __future__ import annotations
 
 import dataclasses
+from collections.abc import Sequence
 from typing import TYPE_CHECKING, ClassVar
 
 import torch
@@ -19,6 +26,7 @@ __all__ = [
     "PluginPlacement",
     "OP_FAMILIES",
     "is_plugin_placement",
+    "normalize_placements",
 ]
 
 #: Op families a plugin placement may declare as running locally on its shards.
@@ -174,3 +182,80 @@ def _rebuild_placement(cls: type[PluginPlacement], kwargs: dict) -> PluginPlacem
 def is_plugin_placement(p: Placement) -> bool:
     """True if ``p`` is a plugin placement (not one of torch's)."""
     return isinstance(p, PluginPlacement)
+
+
+def normalize_placements(placements: Sequence[Placement], mesh_ndim: int) -> tuple[Placement, ...]:
+    """One placement per mesh dim: a shorter list is padded with ``Replicate()``.
+
+    veScale's convention: ``[Shard(0)]`` on a 2-D mesh means ``[Shard(0), Replicate()]``.
+    A longer list than the mesh has dims, or an entry that is not a ``Placement``, is an
+    error.
+
+    Args:
+        placements: Placements for the leading mesh dims.
+        mesh_ndim: Number of mesh dims.
+
+    Returns:
+        A tuple of exactly ``mesh_ndim`` placements.
+
+    Raises:
+        TypeError: ``placements`` is not a list/tuple of ``Placement`` instances.
+        ValueError: More placements than mesh dims.
+    """
+    if isinstance(placements, Placement) or not isinstance(placements, (list, tuple)):
+        raise TypeError(f"expected a list of placements (one per mesh dim), got {placements!r}")
+    for p in placements:
+        if not isinstance(p, Placement):
+            raise TypeError(f"{p!r} ({type(p).__name__}) is not a Placement")
+    if len(placements) > mesh_ndim:
+        raise ValueError(
+            f"got {len(placements)} placements {[str(p) for p in placements]} for a "
+            f"{mesh_ndim}-dim mesh; expected at most one placement per mesh dim (a shorter "
+            "list is padded with Replicate())"
+        )
+    return tuple(placements) + (Replicate(),) * (mesh_ndim - len(placements))
+
+
+#: Placements that registered plugins usually provide, and the distribution to install.
+_PLUGIN_HOMES = {"RaggedShard": "vescale-ragged"}
+
+#: veScale placement names vescale does not provide, with the reason.
+_REFUSED = {
+    "InterleavedShard": "legacy veScale's interleaved shard is not a vescale placement; "
+    "shard fused projections with torch's _StridedShard (what vescale's automatic plans "
+    "use) or split the projection into separate parameters",
+    "_StridedRaggedShard": "vescale writes veScale's (_StridedRaggedShard, Shard(0)) as "
+    "[RaggedShard(dims, local_units), Shard(0)]: a Shard applies before a plugin placement "
+    "that would cut through its dim (vescale.dtensor.application_order)",
+    "DTensorSpec": "torch internals are not re-exported; use DTensor.placements, "
+    "DTensor.device_mesh and DTensor.shape",
+    "TensorMeta": "torch internals are not re-exported; use DTensor.shape, DTensor.stride() "
+    "and DTensor.dtype",
+}
+
+
+def _registered_placement(name: str) -> type[Placement] | None:
+    from vescale.dtensor.plugin.manager import placement_registry
+
+    reg = placement_registry()
+    cls = reg.get(name)
+    if cls is None:
+        cls = next((c for c in reg.values() if c.__name__ == name), None)
+    if cls is None and name in _PLUGIN_HOMES:
+        from vescale.dtensor._vescale_names import UnsupportedVeScaleName
+
+        raise UnsupportedVeScaleName(
+            f"vescale.dtensor.placement_types.{name} is a plugin placement and no installed "
+            f"plugin registers it; install {_PLUGIN_HOMES[name]} (pip install "
+            f"{_PLUGIN_HOMES[name]}), which registers it through the `vescale` entry point"
+        )
+    return cls
+
+
+def _make_getattr():
+    from vescale.dtensor._vescale_names import refusing_getattr
+
+    return refusing_getattr(__name__, _REFUSED, _registered_placement)
+
+
+__getattr__ = _make_getattr()

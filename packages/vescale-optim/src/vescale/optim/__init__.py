@@ -11,12 +11,17 @@
 from vescale.optim.__about__ import __version__
 from vescale.optim._clip import clip_grad_norm_, clip_grads_with_norm_, get_total_norm
 from vescale.optim._muon import Muon
-from vescale.optim._zero import ELEMENTWISE_OPTIMIZERS, DistributedOptimizer
+from vescale.optim._zero import (
+    ELEMENTWISE_OPTIMIZERS,
+    DistributedOptimizer,
+    GradientsReleasedError,
+)
 
 __all__ = [
     "__version__",
     "DistributedOptimizer",
     "ELEMENTWISE_OPTIMIZERS",
+    "GradientsReleasedError",
     "Muon",
     "clip_grad_norm_",
     "clip_grads_with_norm_",

@@ -11,6 +11,7 @@ from torch.distributed.tensor import DTensor, Replicate
 
 from vescale.dtensor import redistribute
 from vescale.dtensor.collectives import all_reduce
+from vescale.optim import _compat
 from vescale.optim._utils import local_of, sharded_mesh_dims
 
 __all__ = ["clip_grad_norm_", "get_total_norm", "total_norm_of_locals", "clip_grads_with_norm_"]
@@ -153,7 +154,7 @@ def clip_grads_with_norm_(
     for (device, dtype), ts in by_key.items():
         c = coef.to(device=device, dtype=dtype)
         if foreach is None or foreach:
-            torch._foreach_mul_(ts, c)
+            _compat.foreach_mul_(ts, c)
         else:
             for t in ts:
                 t.mul_(c)

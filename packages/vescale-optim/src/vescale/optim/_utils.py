@@ -8,9 +8,10 @@ from typing import Any
 import torch
 from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
-from torch.distributed.tensor import DTensor, Placement
+from torch.distributed.tensor import Placement
 
 from vescale.dtensor import PluginPlacement
+from vescale.optim import _compat
 
 __all__ = [
     "is_sharded",
@@ -64,9 +65,7 @@ def dim_label(mesh: DeviceMesh, dim: int) -> str:
 
 def local_of(t: torch.Tensor) -> torch.Tensor:
     """The local tensor of a DTensor (the storage itself, not a copy) or ``t``."""
-    if isinstance(t, DTensor):
-        return t._local_tensor
-    return t
+    return _compat.local_tensor(t)
 
 
 def normalize_param_groups(

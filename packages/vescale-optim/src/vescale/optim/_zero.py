@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import weakref
-from collections import Counter
+from collections import Counter, OrderedDict
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
@@ -11,14 +11,16 @@ from typing import Any
 import torch
 from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
-from torch.distributed.tensor import DTensor, Placement, Replicate
+from torch.distributed.tensor import DTensor, Partial, Placement, Replicate
 
 from vescale.dtensor import distribute_tensor, from_local, redistribute
+from vescale.dtensor._submesh import drop_dim, lift_placements
 from vescale.dtensor.collectives import (
     CollectiveHandle,
     all_gather_uneven,
     reduce_scatter_uneven,
 )
+from vescale.optim import _compat
 from vescale.optim._clip import total_norm_of_locals
 from vescale.optim._utils import (
     dim_label,
@@ -130,13 +132,55 @@ def _waiting_hook(ref: weakref.ReferenceType, buckets: tuple[int, ...], reason: 
     return hook
 
 
-class DistributedOptimizer:
+class GradientsReleasedError(RuntimeError):
+    """A backward after a ZeRO-2 ``step()`` without ``optimizer.zero_grad()`` in between."""
+
+
+def _pending_average_hook(dp_dim: int, ref: weakref.ReferenceType):
+    """A parameter hook: the incoming gradient is this rank's term of the dp average.
+
+    Each data-parallel rank computes the gradient of its own data, but autograd labels
+    it with the parameter's ``Replicate()`` on the dp dim. Relabelled ``Partial("avg")``
+    (no copy, no communication), the ``.grad`` the user reads holds the global
+    gradient with its reduction pending: ``full_tensor()``, norms and clipping reduce
+    first; scaling and accumulation act on the terms; ``step()`` reduce-scatters it.
+    """
+
+    def hook(grad: torch.Tensor) -> torch.Tensor | None:
+        opt = ref()
+        if opt is not None and opt._released:
+            raise GradientsReleasedError(
+                "DistributedOptimizer(zero_stage=2) released the full gradients in step(), "
+                "so this backward cannot add to them as it would on one device (gradients "
+                "accumulated across optimizer steps). Call optimizer.zero_grad() after "
+                "step() (or before the next backward), or use zero_stage=1, which keeps "
+                "the gradients between steps."
+            )
+        if not isinstance(grad, DTensor):
+            return None
+        if opt is not None and grad.device_mesh.ndim != opt.mesh.ndim:
+            # on the sub-mesh without the dp dim (veScale's layout): there is no dp dim
+            # to mark pending; step() averages this rank's term over dp as for a replica
+            return None
+        pls = list(grad.placements)
+        if not isinstance(pls[dp_dim], Replicate):
+            return None  # already pending (or not a replica): leave it
+        pls[dp_dim] = Partial("avg")
+        return from_local(
+            local_of(grad), grad.device_mesh, pls, shape=grad.shape, stride=grad.stride()
+        )
+
+    return hook
+
+
+class DistributedOptimizer(torch.optim.Optimizer):
     """ZeRO-1/2: shard the optimizer state of data-parallel replicated parameters.
 
     Parameters are DTensors on ``mesh`` that are ``Replicate()`` on the data-parallel
     mesh dim ``dp_dim`` (any placements on the other dims, e.g. tensor-parallel
-    ``Shard``). Their local tensors are grouped, per dtype and in parameter order, into
-    buckets (one per dtype unless ``bucket_cap_mb`` limits their size); each bucket is a
+    ``Shard``), or DTensors on the sub-mesh of ``mesh`` without ``dp_dim`` (veScale's
+    ``parallelize_module(m, mesh["TP"], ...)``), which are read as replicated over it.
+    Their local tensors are grouped, per dtype and in parameter order, into buckets (one per dtype unless ``bucket_cap_mb`` limits their size); each bucket is a
     virtual flat buffer cut into ``N`` contiguous, padding-free ranges (sizes differ by
     at most one element), and dp rank ``r`` owns range ``r``. A parameter's piece of a
     range is a ``RaggedShard``-style view: one contiguous slice of its flattened local
@@ -155,9 +199,24 @@ class DistributedOptimizer:
        owning the parameters wait for a bucket right before the first module that
        uses it runs, so the gathers overlap the forward of the layers before.
 
+    Between ``backward()`` and ``step()`` each parameter's ``.grad`` is the global
+    (dp-averaged) gradient with its reduction pending: a DTensor that is
+    ``Partial("avg")`` on the dp dim, so whatever the user reads (``full_tensor()``,
+    ``norm()``, ``torch.nn.utils.clip_grad_norm_``) is what one device would see, and
+    in-place scaling or unscaling acts on it exactly; no collective runs until
+    something needs the reduced value. ``step()`` reduce-scatters it once. (A parameter
+    on the sub-mesh without the dp dim has no dp dim to mark: its ``.grad`` is this
+    rank's term, averaged by ``step()`` the same way.)
+
+    It is a ``torch.optim.Optimizer``, so torch's LR schedulers drive it; its
+    ``param_groups`` are the inner optimizer's.
+
     With ``zero_stage=2`` (default) the full gradients are released right after the
     reduce-scatter (``param.grad = None``), so between steps only the sharded
-    gradients stay alive; ``zero_stage=1`` keeps them (e.g. for inspection).
+    gradients stay alive; ``zero_stage=1`` keeps them (e.g. for inspection). A
+    backward after a ZeRO-2 ``step()`` without ``zero_grad()`` in between (gradients
+    accumulated across steps) raises ``GradientsReleasedError``: the gradients it
+    would add to are gone.
 
     Only element-wise optimizers can run on flat slices (SGD, Adam, AdamW, Adagrad,
     ...); ``Muon``, ``LBFGS`` and the like raise ``TypeError``.
@@ -283,8 +342,25 @@ class DistributedOptimizer:
             k += len(g["params"])
             inner_groups.append(ig)
         self.optimizer = optimizer_cls(inner_groups, **optimizer_kwargs)
+        self.defaults = self.optimizer.defaults
+        # torch.optim.Optimizer's hook tables (its __init__ would build param groups of
+        # the full parameters, which this optimizer does not step)
+        for attr in (
+            "_optimizer_step_pre_hooks",
+            "_optimizer_step_post_hooks",
+            "_optimizer_state_dict_pre_hooks",
+            "_optimizer_state_dict_post_hooks",
+            "_optimizer_load_state_dict_pre_hooks",
+            "_optimizer_load_state_dict_post_hooks",
+        ):
+            setattr(self, attr, OrderedDict())
         self._state_mesh: DeviceMesh | None = None
-        self._hook_handles: list[Any] = []
+        self._released = False  # ZeRO-2 freed the gradients and zero_grad() has not run
+        self._hook_handles: list[Any] = [
+            i.param.register_hook(_pending_average_hook(self.dp_dim, weakref.ref(self)))
+            for i in self._infos
+            if i.param.requires_grad
+        ]
         if self.overlap_param_gather:
             assert model is not None
             self._register_hooks(model)
@@ -299,15 +375,22 @@ class DistributedOptimizer:
                 "or DModule)"
             )
         pm = p.device_mesh
-        if pm is not self.mesh and (
-            pm.device_type != self.mesh.device_type
-            or pm.ndim != self.mesh.ndim
-            or not torch.equal(pm.mesh, self.mesh.mesh)
+        if pm is self.mesh or (
+            pm.device_type == self.mesh.device_type
+            and pm.ndim == self.mesh.ndim
+            and torch.equal(pm.mesh, self.mesh.mesh)
         ):
-            raise ValueError(
-                f"parameter {name!r} lives on {pm}, not on the optimizer's mesh {self.mesh}"
-            )
-        pls = tuple(p.placements)
+            pls = tuple(p.placements)
+        else:
+            # veScale's layout: on the sub-mesh without the dp dim, replicated over it
+            lifted = lift_placements(pm, p.placements, self.mesh, self.dp_dim)
+            if lifted is None:
+                raise ValueError(
+                    f"parameter {name!r} lives on {pm}, not on the optimizer's mesh "
+                    f"{self.mesh} (nor on its sub-mesh without the dp dim "
+                    f"{dim_label(self.mesh, self.dp_dim)})"
+                )
+            pls = lifted
         dp_pl = pls[self.dp_dim]
         if not isinstance(dp_pl, Replicate):
             raise ValueError(
@@ -432,6 +515,7 @@ class DistributedOptimizer:
     # ------------------------------------------------------------------ step
     def zero_grad(self, set_to_none: bool = True) -> None:
         """Reset the parameters' gradients and the sharded gradients."""
+        self._released = False
         for info in self._infos:
             p = info.param
             if p.grad is not None:
@@ -446,21 +530,26 @@ class DistributedOptimizer:
             raise TypeError(
                 f"gradient of {info.name!r} is a plain tensor; expected a DTensor like the parameter"
             )
+        on_sub = g.device_mesh.ndim != self.mesh.ndim  # a grad on the sub-mesh without dp
         pls = tuple(g.placements)
+        if on_sub:
+            pls = (*pls[: self.dp_dim], Replicate(), *pls[self.dp_dim :])
         scale = 1.0
-        if pls[self.dp_dim].is_partial():
+        dp_pl = pls[self.dp_dim]
+        if dp_pl.is_partial() and getattr(dp_pl, "reduce_op", "sum") != "avg":
             scale = float(self.dp_size)  # sum over dp, the reduce below averages
         want = list(info.placements)
         want[self.dp_dim] = Replicate() if not pls[self.dp_dim].is_partial() else pls[self.dp_dim]
         if tuple(want) != pls:
             # e.g. a Partial grad on a tensor-parallel dim: bring it to the param's layout
             want[self.dp_dim] = pls[self.dp_dim]
-            g = redistribute(g, g.device_mesh, want)
+            g = redistribute(g, g.device_mesh, drop_dim(want, self.dp_dim) if on_sub else want)
         local = local_of(g).reshape(-1)
         return local * scale if scale != 1.0 else local
 
     def _reduce_scatter_grads(self) -> None:
         group = (self.mesh, self.dp_dim)
+        self._had_grads = any(i.param.grad is not None for i in self._infos)
         for bucket in self._buckets:
             rdtype = self.grad_reduce_dtype or bucket.dtype
             pieces = []
@@ -537,7 +626,7 @@ class DistributedOptimizer:
         coef = torch.clamp(float(max_norm) / (total + 1e-6), max=1.0)
         grads = [e[0] for e in entries]
         if grads:
-            torch._foreach_mul_(grads, coef.to(grads[0].dtype))
+            _compat.foreach_mul_(grads, coef.to(grads[0].dtype))
         return total
 
     @torch.no_grad()
@@ -568,6 +657,7 @@ class DistributedOptimizer:
         self._launch_param_gather()
         if not self.overlap_param_gather:
             self._wait_all("step")
+        self._released = self.zero_stage >= 2 and self._had_grads
         return norm if norm is not None else loss
 
     # ------------------------------------------------------------------ state dict

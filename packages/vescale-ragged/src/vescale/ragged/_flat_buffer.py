@@ -28,6 +28,7 @@ import torch.distributed as dist
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor, Placement, Replicate
 
+from vescale.ragged import _compat
 from vescale.ragged._planner import FlatLayout
 
 __all__ = ["FlatBuffer"]
@@ -209,7 +210,7 @@ class FlatBuffer:
                 self.extra_copy_bytes += self.local.numel() * self.local.element_size()
             return out
         if self.layout.even:
-            dist.all_gather_single(out, self.local, group=self._group)
+            _compat.all_gather_single(out, self.local, group=self._group)
             return out
         for q, (a, b) in enumerate(self.layout.rank_ranges):
             if a == b:
@@ -263,7 +264,7 @@ class FlatBuffer:
             self.extra_copy_bytes += (b - a) * out.element_size()
             return out
         if self.layout.even:
-            dist.reduce_scatter_single(out, grad_flat, op=_REDUCE_OPS[op], group=self._group)
+            _compat.reduce_scatter_single(out, grad_flat, op=_REDUCE_OPS[op], group=self._group)
             return out
         pieces = [grad_flat[a:b] for a, b in self.layout.rank_ranges]
         dist.reduce_scatter(out, pieces, op=_REDUCE_OPS[op], group=self._group)

@@ -12,9 +12,15 @@ from __future__ import annotations
 
 import operator
 import threading
-from collections.abc import Callable, Sequence
+from collections.abc import Sequence
 
 import torch
+
+# The torch privates the kernels use are probed in _compat (public fallbacks there).
+from vescale.ragged._compat import check_torch_internals  # noqa: F401  (the name is kept)
+from vescale.ragged._compat import flatten_dense as _flatten_dense
+from vescale.ragged._compat import foreach_copy as _foreach_copy
+from vescale.ragged._compat import unflatten_dense as _unflatten_dense
 
 __all__ = ["PackKernels", "TorchPackKernels", "get_pack_kernels", "packed_numel"]
 
@@ -77,107 +83,6 @@ class PackKernels:
 
     def __repr__(self) -> str:
         return f"<{type(self).__name__} {self.name!r}>"
-
-
-# --------------------------------------------------------------------------- torch internals
-# The one place this module relies on torch privates: torch._C._nn.flatten_dense_tensors,
-# torch._C._nn.unflatten_dense_tensors and torch._foreach_copy_. Each is probed by feature
-# at import; one that is missing or behaves differently is replaced by a public (slower)
-# equivalent, and check_torch_internals() -- run by tests/test_pack.py -- reports it, so a
-# torch upgrade that changes one fails loudly instead of silently slowing down or misbehaving.
-
-
-def _flatten_public(tensors: Sequence[torch.Tensor]) -> torch.Tensor:
-    return torch.cat([t.reshape(-1) for t in tensors])
-
-
-def _unflatten_public(flat: torch.Tensor, tensors: Sequence[torch.Tensor]) -> list[torch.Tensor]:
-    sizes = [t.numel() for t in tensors]
-    pieces = flat.narrow(0, 0, sum(sizes)).split_with_sizes(sizes)
-    return [p.view_as(t) for p, t in zip(pieces, tensors)]
-
-
-def _foreach_copy_public(dst: Sequence[torch.Tensor], src: Sequence[torch.Tensor]) -> None:
-    for d, s in zip(dst, src):
-        d.copy_(s)
-
-
-def _probe_internals() -> tuple[dict[str, str], Callable, Callable, Callable]:
-    """Probe the privates on tiny tensors: (problems by name, flatten, unflatten, foreach_copy)."""
-    problems: dict[str, str] = {}
-    flatten = getattr(torch._C._nn, "flatten_dense_tensors", None)
-    unflatten = getattr(torch._C._nn, "unflatten_dense_tensors", None)
-    foreach_copy = getattr(torch, "_foreach_copy_", None)
-    # A transposed (non-contiguous) 2-D tensor, a 0-d one, a zero-numel 2-D one, a 1-D one.
-    src = [
-        torch.arange(6, dtype=torch.float16).view(2, 3).t(),
-        torch.tensor(7, dtype=torch.float16),
-        torch.empty(0, 3, dtype=torch.float16),
-        torch.tensor([8, 9], dtype=torch.float16),
-    ]
-    expect = torch.tensor([0, 3, 1, 4, 2, 5, 7, 8, 9], dtype=torch.float16)
-    try:
-        if flatten is None:
-            problems["flatten"] = "torch._C._nn.flatten_dense_tensors is missing"
-        else:
-            got = flatten(src)
-            if not (got.dtype == expect.dtype and got.shape == expect.shape and got.equal(expect)):
-                problems["flatten"] = f"torch._C._nn.flatten_dense_tensors changed: gives {got}"
-    except Exception as exc:  # pragma: no cover - only on a torch change
-        problems["flatten"] = f"torch._C._nn.flatten_dense_tensors failed: {exc!r}"
-    try:
-        if unflatten is None:
-            problems["unflatten"] = "torch._C._nn.unflatten_dense_tensors is missing"
-        else:
-            flat = torch.arange(11, dtype=torch.float16)  # longer than needed: tail ignored
-            views = unflatten(flat, src)
-            shapes = [tuple(v.shape) for v in views]
-            if shapes != [tuple(t.shape) for t in src] or views[0].data_ptr() != flat.data_ptr():
-                problems["unflatten"] = f"torch._C._nn.unflatten_dense_tensors changed: {shapes}"
-            else:
-                for v in views:
-                    v.fill_(-1)  # views: the writes land in flat, in order
-                if flat[:9].ne(-1).any() or flat[9:].eq(-1).any():
-                    problems["unflatten"] = (
-                        f"torch._C._nn.unflatten_dense_tensors no longer gives views: {flat}"
-                    )
-    except Exception as exc:  # pragma: no cover - only on a torch change
-        problems["unflatten"] = f"torch._C._nn.unflatten_dense_tensors failed: {exc!r}"
-    try:
-        if foreach_copy is None:
-            problems["foreach_copy"] = "torch._foreach_copy_ is missing"
-        else:
-            from_ = [torch.tensor([[1.0, 2.0, 3.0], [4.0, 5.0, 1 / 3]]), torch.tensor(-2.7)]
-            dst, ref = (
-                [torch.zeros(3, 2, dtype=torch.bfloat16).t(), torch.zeros((), dtype=torch.int32)]
-                for _ in range(2)
-            )
-            foreach_copy(dst, from_)
-            for d, f in zip(ref, from_):
-                d.copy_(f)
-            if not all(a.equal(b) for a, b in zip(dst, ref)):
-                problems["foreach_copy"] = f"torch._foreach_copy_ differs from copy_: {dst}"
-    except Exception as exc:  # pragma: no cover - only on a torch change
-        problems["foreach_copy"] = f"torch._foreach_copy_ failed: {exc!r}"
-    return (
-        problems,
-        _flatten_public if "flatten" in problems else flatten,
-        _unflatten_public if "unflatten" in problems else unflatten,
-        _foreach_copy_public if "foreach_copy" in problems else foreach_copy,
-    )
-
-
-_, _flatten_dense, _unflatten_dense, _foreach_copy = _probe_internals()
-
-
-def check_torch_internals() -> list[str]:
-    """Probe the torch privates the torch pack kernels use.
-
-    Returns:
-        A list of problems; empty when torch still looks as expected (else the kernels
-        fall back to public, slower equivalents).
-    """
-    return list(_probe_internals()[0].values())
 
 
 # --------------------------------------------------------------------------- helpers

@@ -7,9 +7,9 @@ from dataclasses import dataclass
 from typing import ClassVar
 
 import torch
-import torch.distributed._functional_collectives as funcol
 
 from vescale.dtensor import PluginPlacement
+from vescale.dtensor.collectives import all_gather_uneven
 
 __all__ = ["RaggedShard"]
 
@@ -137,15 +137,6 @@ class RaggedShard(PluginPlacement):
 def _all_gather_ranges(
     local: torch.Tensor, ranges: list[tuple[int, int]], mesh, mesh_dim: int
 ) -> torch.Tensor:
-    """Uneven all-gather along dim 0 built from an even one (gloo has no uneven gather)."""
+    """Uneven all-gather along dim 0 (gloo has no uneven gather: padded, one even gather)."""
     counts = [b - a for a, b in ranges]
-    width = max(counts)
-    trailing = tuple(local.shape[1:])
-    if all(c == width for c in counts):
-        out = funcol.all_gather_single(local.contiguous(), gather_dim=0, group=(mesh, mesh_dim))
-        return funcol.wait_tensor(out)
-    padded = local.new_zeros((width, *trailing))
-    padded[: local.shape[0]] = local
-    out = funcol.wait_tensor(funcol.all_gather_single(padded, gather_dim=0, group=(mesh, mesh_dim)))
-    pieces = [out[r * width : r * width + c] for r, c in enumerate(counts)]
-    return torch.cat(pieces, dim=0)
+    return all_gather_uneven(local, (mesh, mesh_dim), 0, sizes=counts, method="pad")

@@ -11,11 +11,11 @@ from __future__ import annotations
 import math
 
 import torch
-import torch.distributed._functional_collectives as funcol
 from torch.distributed.tensor import Partial, Placement, Shard
 
 from vescale.dtensor import StepContext
-from vescale.dtensor._compat import shard_size_and_offset
+from vescale.dtensor.collectives import all_to_all_single_uneven, reduce_scatter_uneven
+from vescale.ragged._compat import shard_size_and_offset
 from vescale.ragged._placement import RaggedShard
 
 
@@ -57,13 +57,7 @@ def range_exchange_step(local: torch.Tensor, ctx: StepContext) -> torch.Tensor:
     recv = [_overlap(src[q], dst[r]) for q in range(n)]
     flat = local.reshape(-1)
     # My range is sorted and each destination's overlap is contiguous and in order.
-    out = funcol.all_to_all_single(
-        flat.contiguous(),
-        output_split_sizes=recv,
-        input_split_sizes=send,
-        group=(ctx.mesh, ctx.mesh_dim),
-    )
-    out = funcol.wait_tensor(out)
+    out = all_to_all_single_uneven(flat, recv, send, (ctx.mesh, ctx.mesh_dim))
     return out.reshape(_local_shape(ctx.dst, shape, n, r))
 
 
@@ -72,20 +66,10 @@ def reduce_scatter_step(local: torch.Tensor, ctx: StepContext) -> torch.Tensor:
     n, r, shape = ctx.num_ranks, ctx.rank, ctx.logical_shape
     dst = element_ranges(ctx.dst, shape, n)
     assert dst is not None
-    counts = [b - a for a, b in dst]
-    width = max(counts)
-    flat = local.reshape(-1)
-    if all(c == width for c in counts):
-        packed = flat.contiguous()
-    else:
-        packed = flat.new_zeros(n * width)
-        for q, (a, b) in enumerate(dst):
-            packed[q * width : q * width + (b - a)] = flat[a:b]
+    counts = [b - a for a, b in dst]  # the ranges tile the storage in rank order
     op = ctx.src.reduce_op  # type: ignore[attr-defined]
-    out = funcol.wait_tensor(
-        funcol.reduce_scatter_single(packed, op, scatter_dim=0, group=(ctx.mesh, ctx.mesh_dim))
-    )
-    return out[: counts[r]].reshape(_local_shape(ctx.dst, shape, n, r))
+    out = reduce_scatter_uneven(local.reshape(-1), counts, (ctx.mesh, ctx.mesh_dim), 0, op=op)
+    return out.reshape(_local_shape(ctx.dst, shape, n, r))
 
 
 def _root(p: RaggedShard) -> int:
@@ -108,13 +92,7 @@ def shard_to_root_step(local: torch.Tensor, ctx: StepContext) -> torch.Tensor:
     numels = [math.prod(p) for p in pieces]
     send = [local.numel() if q == root else 0 for q in range(n)]
     recv = [numels[q] if r == root else 0 for q in range(n)]
-    out = funcol.all_to_all_single(
-        local.contiguous().reshape(-1),
-        output_split_sizes=recv,
-        input_split_sizes=send,
-        group=(ctx.mesh, ctx.mesh_dim),
-    )
-    out = funcol.wait_tensor(out)
+    out = all_to_all_single_uneven(local.reshape(-1), recv, send, (ctx.mesh, ctx.mesh_dim))
     if r != root:
         return local.new_empty((0, *shape))
     parts = [t.view(p) for t, p in zip(out.split(numels), pieces)]
@@ -135,13 +113,8 @@ def root_to_shard_step(local: torch.Tensor, ctx: StepContext) -> torch.Tensor:
     else:
         flat, send = local.reshape(-1), [0] * n
     recv = [numels[r] if q == root else 0 for q in range(n)]
-    out = funcol.all_to_all_single(
-        flat.contiguous(),
-        output_split_sizes=recv,
-        input_split_sizes=send,
-        group=(ctx.mesh, ctx.mesh_dim),
-    )
-    return funcol.wait_tensor(out).view(pieces[r])
+    out = all_to_all_single_uneven(flat, recv, send, (ctx.mesh, ctx.mesh_dim))
+    return out.view(pieces[r])
 
 
 def step_for(src: Placement, dst: Placement):

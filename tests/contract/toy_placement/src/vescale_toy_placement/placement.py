@@ -12,9 +12,9 @@ from dataclasses import dataclass
 from typing import ClassVar
 
 import torch
-import torch.distributed._functional_collectives as funcol
 
 from vescale.dtensor import PluginPlacement
+from vescale.dtensor.collectives import all_gather_uneven, reduce_scatter_uneven
 
 
 @dataclass(frozen=True)
@@ -89,21 +89,13 @@ class BlockCyclic(PluginPlacement):
         n = mesh.size(mesh_dim)
         length = logical_shape[self.dim]
         counts = [int(self.owned_indices(length, n, r).numel()) for r in range(n)]
-        width = max(counts)
-        pad = width - local.shape[self.dim]
-        if pad:
-            pad_shape = list(local.shape)
-            pad_shape[self.dim] = pad
-            local = torch.cat([local, local.new_zeros(pad_shape)], dim=self.dim)
-        gathered = funcol.all_gather_single(
-            local.contiguous(), gather_dim=self.dim, group=(mesh, mesh_dim)
-        )
-        gathered = funcol.wait_tensor(gathered)
+        gathered = all_gather_uneven(local, (mesh, mesh_dim), self.dim, sizes=counts)
         out = local.new_empty(logical_shape)
+        offset = 0
         for r in range(n):
             idx = self.owned_indices(length, n, r).to(local.device)
-            part = gathered.narrow(self.dim, r * width, counts[r])
-            out.index_copy_(self.dim, idx, part)
+            out.index_copy_(self.dim, idx, gathered.narrow(self.dim, offset, counts[r]))
+            offset += counts[r]
         return out
 
 
@@ -111,20 +103,9 @@ def reduce_scatter_step(local: torch.Tensor, ctx) -> torch.Tensor:
     """Direct ``Partial("sum") -> BlockCyclic`` step: one reduce-scatter, no all-reduce."""
     p: BlockCyclic = ctx.dst
     n, length = ctx.num_ranks, ctx.logical_shape[p.dim]
-    owned = [p.owned_indices(length, n, r) for r in range(n)]
-    width = max(int(o.numel()) for o in owned)
-    parts = []
-    for o in owned:
-        part = local.index_select(p.dim, o.to(local.device))
-        pad = width - part.shape[p.dim]
-        if pad:
-            pad_shape = list(part.shape)
-            pad_shape[p.dim] = pad
-            part = torch.cat([part, part.new_zeros(pad_shape)], dim=p.dim)
-        parts.append(part)
-    packed = torch.cat(parts, dim=p.dim).contiguous()
-    out = funcol.reduce_scatter_single(
-        packed, "sum", scatter_dim=p.dim, group=(ctx.mesh, ctx.mesh_dim)
-    )
-    out = funcol.wait_tensor(out)
-    return out.narrow(p.dim, 0, int(owned[ctx.rank].numel())).contiguous()
+    owned = [p.owned_indices(length, n, r).to(local.device) for r in range(n)]
+    # every rank's blocks, rank by rank: one (uneven) reduce-scatter hands each its own
+    ordered = local.index_select(p.dim, torch.cat(owned))
+    sizes = [int(o.numel()) for o in owned]
+    out = reduce_scatter_uneven(ordered, sizes, (ctx.mesh, ctx.mesh_dim), p.dim, op="sum")
+    return out.contiguous()

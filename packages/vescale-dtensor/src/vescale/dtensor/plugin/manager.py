@@ -3,7 +3,9 @@
 from __future__ import annotations
 
 import threading
+import warnings
 from collections.abc import Callable
+from importlib import metadata
 from typing import Any
 
 import pluggy
@@ -25,6 +27,35 @@ _registry: dict[str, type[Placement]] | None = None
 _invalidation_callbacks: list[Callable[[], None]] = []
 
 
+def _skip_plugin(name: str, where: str, exc: Exception) -> None:
+    warnings.warn(
+        f"vescale plugin entry point {name!r} ({where}) failed to load and is skipped; "
+        f"the other plugins keep working: {type(exc).__name__}: {exc}",
+        RuntimeWarning,
+        stacklevel=3,
+    )
+
+
+def _load_entry_points(pm: pluggy.PluginManager) -> dict[str, str]:
+    """Register every ``vescale`` entry point; one that fails to import or register is skipped.
+
+    Returns:
+        ``{plugin name: entry point description}`` of the registered entry points.
+    """
+    loaded: dict[str, str] = {}
+    for ep in metadata.entry_points(group=hookspecs.PROJECT_NAME):
+        if pm.get_plugin(ep.name) is not None or pm.is_blocked(ep.name):
+            continue  # the same distribution found twice on sys.path
+        where = f"{ep.value} from {getattr(ep.dist, 'name', None) or 'an unknown distribution'}"
+        try:
+            pm.register(ep.load(), name=ep.name)
+        except Exception as exc:  # noqa: BLE001 - reported, the built-ins keep working
+            _skip_plugin(ep.name, where, exc)
+            continue
+        loaded[ep.name] = where
+    return loaded
+
+
 def _new_manager() -> pluggy.PluginManager:
     from vescale.dtensor.plugin import builtin
 
@@ -32,9 +63,19 @@ def _new_manager() -> pluggy.PluginManager:
     pm.add_hookspecs(hookspecs)
     # Built-ins go through the very same hooks as third parties.
     pm.register(builtin, name="vescale.dtensor.builtin")
-    pm.load_setuptools_entrypoints(hookspecs.PROJECT_NAME)
+    loaded = _load_entry_points(pm)
     pm.hook.vescale_addhooks.call_historic(kwargs={"pluginmanager": pm})
-    pm.check_pending()
+    while True:
+        try:
+            pm.check_pending()
+            break
+        except pluggy.PluginValidationError as exc:
+            # A hook implementation without a spec: drop its entry point, keep the rest.
+            name = pm.get_name(exc.plugin)
+            if name not in loaded:
+                raise
+            pm.unregister(exc.plugin)
+            _skip_plugin(name, loaded.pop(name), exc)
     return pm
 
 
@@ -43,6 +84,9 @@ def get_plugin_manager() -> pluggy.PluginManager:
 
     On creation it registers vescale-dtensor's built-in plugin, loads every
     ``vescale`` entry point and checks that all hook implementations match a spec.
+    An entry point that fails to import or register, or whose hook implementations
+    match no spec, is skipped with one ``RuntimeWarning`` naming it; the built-ins
+    and the other plugins keep working.
     """
     global _pm
     if _pm is None:

@@ -41,6 +41,7 @@ from collections.abc import Callable
 from typing import Any, TypeVar
 
 from ._funcref import ORIGINAL_ATTR, make_ref, unwrap
+from ._internals import expected_torch_internals
 from ._pool import get_pool, shutdown_pools
 from ._report import RankOutcome, failure_message
 from ._torchrun import TorchrunError, run_torchrun
@@ -49,6 +50,7 @@ __all__ = [
     "RankFailure",
     "TorchrunError",
     "distributed",
+    "expected_torch_internals",
     "run_on_ranks",
     "run_torchrun",
     "shutdown_pools",

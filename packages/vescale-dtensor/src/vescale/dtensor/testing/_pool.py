@@ -19,6 +19,7 @@ from __future__ import annotations
 import atexit
 import contextlib
 import faulthandler
+import gc
 import multiprocessing as mp
 import os
 import pickle
@@ -60,33 +61,24 @@ def _redirect_output(log_path: str) -> None:
     sys.stderr = open(2, "w", buffering=1, closefd=False)  # noqa: SIM115
 
 
-def _reset_distributed_state(dist: Any) -> None:
-    """Destroy every non-default process group (local, no communication)."""
-    world = dist.distributed_c10d._world
-    default = world.default_pg
-    for pg in list(world.pg_map.keys()):
-        if pg is not default:
-            with contextlib.suppress(Exception):
-                dist.destroy_process_group(pg)
-    # DTensor's RNG tracker caches a mesh; let every test start afresh.
-    rnd = sys.modules.get("torch.distributed.tensor._random")
-    if rnd is not None and hasattr(rnd, "_rng_tracker"):
-        rnd._rng_tracker = None
-    # Sharding-propagation caches (Python and C++ fast path) and vescale's plan cache
-    # remember meshes whose groups were just destroyed.
-    with contextlib.suppress(Exception):
-        import torch.distributed.tensor.debug as dbg
+def _reset_distributed_state() -> None:
+    """Destroy every non-default process group (local, no communication) and the caches
+    (torch's sharding propagation, C++ fast path included, and vescale's plans) that
+    remember meshes whose groups were just destroyed; DTensor's RNG tracker too."""
+    from vescale.dtensor import _compat
 
-        dbg._clear_sharding_prop_cache()
-    tredist = sys.modules.get("torch.distributed.tensor._redistribute")
-    if tredist is not None:
-        with contextlib.suppress(Exception):
-            tredist.clear_redistribute_planner_cache()
-        with contextlib.suppress(Exception):
-            tredist._gen_transform_infos.cache_clear()
+    destroyed = _compat.destroy_subgroups()
+    _compat.clear_dtensor_caches()
     redist = sys.modules.get("vescale.dtensor._redistribute")
     if redist is not None:
         redist._clear_caches()
+    # A destroyed group lives on while garbage in a reference cycle (a DTensor's autograd
+    # graph, a traceback) still holds it, and every live gloo group keeps a thread that
+    # wakes every few milliseconds: hundreds of them, left by earlier tests, ate the CPU
+    # that later tests needed. Collect now (a full collection costs a few tenths of a
+    # second in a worker that has torch loaded: only after a task that made groups).
+    if destroyed:
+        gc.collect()
 
 
 def _worker_main(
@@ -128,6 +120,8 @@ def _worker_main(
         results.put(("ready", rank, False, traceback.format_exc()))
         return
 
+    from vescale.dtensor import _compat
+
     from ._funcref import resolve
 
     while True:
@@ -145,7 +139,7 @@ def _worker_main(
         try:
             fn = resolve(ref)
             args, kwargs = pickle.loads(payload)
-            dist.distributed_c10d._set_pg_timeout(timedelta(seconds=timeout))
+            _compat.set_pg_timeout(timedelta(seconds=timeout))
             torch.manual_seed(0)
             value = fn(*args, **kwargs)
             if not dist.is_initialized():
@@ -157,8 +151,8 @@ def _worker_main(
                 raise TypeError(
                     f"the return value of rank {rank} is not picklable: {exc!r}"
                 ) from exc
-            _reset_distributed_state(dist)
-            dist.distributed_c10d._set_pg_timeout(timedelta(seconds=IDLE_PG_TIMEOUT_S))
+            _reset_distributed_state()
+            _compat.set_pg_timeout(timedelta(seconds=IDLE_PG_TIMEOUT_S))
             reply = (task_id, rank, True, out)
         except BaseException:
             restart = True

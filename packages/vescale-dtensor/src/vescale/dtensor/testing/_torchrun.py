@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import os
 import signal
 import subprocess
@@ -23,6 +24,31 @@ class TorchrunError(AssertionError):
     def __init__(self, message: str, result: subprocess.CompletedProcess | None = None) -> None:
         super().__init__(message)
         self.result = result
+
+
+def _descendants(pid: int) -> list[int]:
+    """Every process below ``pid``, read from ``/proc`` (``[]`` where there is none)."""
+    children: dict[int, list[int]] = {}
+    try:
+        entries = os.listdir("/proc")
+    except OSError:
+        return []
+    for entry in entries:
+        if not entry.isdigit():
+            continue
+        try:
+            with open(f"/proc/{entry}/stat") as f:
+                ppid = int(f.read().rsplit(")", 1)[1].split()[1])
+        except (OSError, ValueError, IndexError):
+            continue
+        children.setdefault(ppid, []).append(int(entry))
+    out: list[int] = []
+    stack = [pid]
+    while stack:
+        for child in children.get(stack.pop(), []):
+            out.append(child)
+            stack.append(child)
+    return out
 
 
 def _tail(text: str) -> str:
@@ -87,11 +113,19 @@ def run_torchrun(
     try:
         stdout, stderr = proc.communicate(timeout=timeout)
     except subprocess.TimeoutExpired:
-        try:
+        # torchrun's workers may live in sessions of their own: killing torchrun's group
+        # alone would leave them running, holding the output pipes (communicate() would
+        # then wait for ever). Kill the whole tree, found before torchrun dies.
+        for pid in _descendants(proc.pid):
+            with contextlib.suppress(ProcessLookupError, PermissionError):
+                os.kill(pid, signal.SIGKILL)
+        with contextlib.suppress(ProcessLookupError):
             os.killpg(proc.pid, signal.SIGKILL)
-        except ProcessLookupError:
-            pass
-        stdout, stderr = proc.communicate()
+        try:
+            stdout, stderr = proc.communicate(timeout=30)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+            stdout, stderr = "", "(output unavailable: a process kept the pipes open)"
         raise TorchrunError(
             f"torchrun {' '.join(script_or_module_args)} timed out after {timeout:g} s\n"
             f"--- stdout ---\n{_tail(stdout)}\n--- stderr ---\n{_tail(stderr)}"

@@ -9,9 +9,9 @@ from dataclasses import dataclass
 from typing import ClassVar
 
 import torch
-import torch.distributed._functional_collectives as funcol
 
 from vescale.dtensor import PluginPlacement, hookimpl
+from vescale.dtensor.collectives import all_gather_uneven
 
 
 @dataclass(frozen=True)
@@ -31,7 +31,9 @@ class OwnerOnly(PluginPlacement):
 
     def unshard(self, local, mesh, mesh_dim, logical_shape):
         buf = local if local.shape[0] else local.new_zeros(logical_shape)
-        out = funcol.wait_tensor(funcol.all_gather_single(buf.contiguous(), 0, (mesh, mesh_dim)))
+        out = all_gather_uneven(
+            buf, (mesh, mesh_dim), 0, sizes=[logical_shape[0]] * mesh.size(mesh_dim)
+        )
         return out.narrow(0, self.owner * logical_shape[0], logical_shape[0]).clone()
 
 

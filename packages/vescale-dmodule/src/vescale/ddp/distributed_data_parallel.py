@@ -1,0 +1,5 @@
+"""veScale's module path ``vescale.ddp.distributed_data_parallel``."""
+
+from vescale.ddp._adapter import DistributedDataParallel
+
+__all__ = ["DistributedDataParallel"]

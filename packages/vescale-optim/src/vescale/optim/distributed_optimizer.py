@@ -1,0 +1,5 @@
+"""veScale's module path ``vescale.optim.distributed_optimizer``."""
+
+from vescale.optim._vescale import DistributedOptimizer
+
+__all__ = ["DistributedOptimizer"]
