@@ -255,5 +255,7 @@ def test_groups_of_finished_tasks_do_not_stay_alive():
     # Each live gloo group keeps a thread that wakes every few milliseconds; the groups a
     # task created (here the 2-D mesh's, held in a reference cycle by the gather) must be
     # gone by the next task, or a long suite slows down as they pile up.
+    # (Groups leaked by earlier tests may still be collected meanwhile: counts may fall.)
     counts = [run_on_ranks(_gloo_loop_threads_after_2d_gather, 4) for _ in range(4)]
-    assert counts[1:] == [counts[1]] * 3, counts
+    for before, after in zip(counts[1:], counts[2:]):
+        assert all(a <= b for a, b in zip(after, before)), counts

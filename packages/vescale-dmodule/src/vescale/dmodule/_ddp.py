@@ -56,6 +56,7 @@ from vescale.dmodule._dp_common import (
 )
 from vescale.dtensor._grad_sync_debug import declare_replicated
 from vescale.dtensor._submesh import lift_placements
+from vescale.dtensor.hooks import weak_hook
 
 __all__ = ["replicate", "DDPEngine"]
 
@@ -199,7 +200,7 @@ class DDPEngine(SyncToggle):
                 # frozen now: keep its last gradient, no longer a bucket view
                 p.grad = old_grads[id(p)].clone()
         self._grad_handles = [
-            p.register_post_accumulate_grad_hook(self._make_hook(b, i))
+            p.register_post_accumulate_grad_hook(weak_hook(DDPEngine._on_grad, self, b.index, i))
             for b in self.buckets
             for i, p in enumerate(b.params)
         ]
@@ -266,35 +267,33 @@ class DDPEngine(SyncToggle):
                 b.params[i].grad = b.grad_views[i]
         return None
 
-    def _make_hook(self, b: _Bucket, i: int):
-        def hook(p: torch.Tensor) -> None:
-            if not self._cb_queued:
-                self._cb_queued = True
-                for bb in self.buckets:
-                    bb.pending = len(bb.params)
-                    bb.launched = False
-                    # a parameter keeps a gradient it already had (accumulation without
-                    # zero_grad, zero_grad(set_to_none=False)) even if unused now
-                    for j, q in enumerate(bb.params):
-                        if not bb.placeholder[j] and q.grad is bb.grad_views[j]:
-                            bb.flags[j] = 1
-                self.launch_log = []
-                _compat.queue_callback(self._finish)
-            view = b.grad_views[i]
-            if p.grad is not view:
-                # The gradient did not accumulate into the bucket: ``.grad`` was reset
-                # after the forward (``zero_grad()`` between forward and backward) or
-                # replaced by the user. Move it into the bucket (one copy).
-                with torch.no_grad():
-                    view.copy_(p.grad)
-                p.grad = view
-            b.flags[i] = 1
-            b.placeholder[i] = False
-            b.pending -= 1
-            if b.pending == 0 and self._sync:
-                self._launch(b)
-
-        return hook
+    def _on_grad(self, bucket: int, i: int, p: torch.Tensor) -> None:
+        b = self.buckets[bucket]
+        if not self._cb_queued:
+            self._cb_queued = True
+            for bb in self.buckets:
+                bb.pending = len(bb.params)
+                bb.launched = False
+                # a parameter keeps a gradient it already had (accumulation without
+                # zero_grad, zero_grad(set_to_none=False)) even if unused now
+                for j, q in enumerate(bb.params):
+                    if not bb.placeholder[j] and q.grad is bb.grad_views[j]:
+                        bb.flags[j] = 1
+            self.launch_log = []
+            _compat.queue_callback(self._finish)
+        view = b.grad_views[i]
+        if p.grad is not view:
+            # The gradient did not accumulate into the bucket: ``.grad`` was reset
+            # after the forward (``zero_grad()`` between forward and backward) or
+            # replaced by the user. Move it into the bucket (one copy).
+            with torch.no_grad():
+                view.copy_(p.grad)
+            p.grad = view
+        b.flags[i] = 1
+        b.placeholder[i] = False
+        b.pending -= 1
+        if b.pending == 0 and self._sync:
+            self._launch(b)
 
     def _launch(self, b: _Bucket) -> None:
         if b.launched:

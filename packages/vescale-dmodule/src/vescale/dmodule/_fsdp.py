@@ -88,6 +88,7 @@ from vescale.dmodule._dp_common import (
     resolve_mixed_precision,
     swap_param,
 )
+from vescale.dtensor.hooks import weak_hook
 
 __all__ = ["fully_shard", "FSDPEngine", "get_dp_engine", "no_sync"]
 
@@ -482,9 +483,14 @@ class FSDPEngine(SyncToggle):
         if (g.index, n) in self._hooked:
             return
         self._hooked.add((g.index, n))
-        g.handles.append(b.leaves[n].register_hook(self._grad_guard(g)))
+        g.handles.append(
+            b.leaves[n].register_hook(weak_hook(FSDPEngine._grad_guard, self, g.index))
+        )
         if self.find_unused_parameters:
-            g.handles.append(b.leaves[n].register_post_accumulate_grad_hook(_mark_used(g, n)))
+            g.used[n] = False
+            g.handles.append(
+                b.leaves[n].register_post_accumulate_grad_hook(weak_hook(_mark_used, g, n))
+            )
 
     def _requires_grad_now(self) -> tuple[bool, ...]:
         return tuple(
@@ -835,7 +841,7 @@ class FSDPEngine(SyncToggle):
             g.pre_bwd_done = False
             g.post_bwd_done = False
 
-    def _grad_guard(self, g: _Group) -> Callable:
+    def _grad_guard(self, group: int, grad: torch.Tensor) -> None:
         """Hook run before autograd accumulates into an unsharded leaf's ``.grad``.
 
         The leaves' gradients are views of the group's flat gradient buffer, whose
@@ -845,20 +851,16 @@ class FSDPEngine(SyncToggle):
         fire (outputs autograd reached another way), and refuses a gradient that
         arrives after the group's gradients were already reduced.
         """
-
-        def hook(grad):
-            if g.post_bwd_done and self._sync and g.sync:
-                raise RuntimeError(
-                    f"fully_shard: a gradient for a parameter of group {g.name or '<root>'!r} "
-                    "arrived after that group's gradients were reduced; a group must run "
-                    "once per forward (a module called twice, or a parameter used outside "
-                    "its group, is not supported)"
-                )
-            if not g.grads_live:
-                self._prepare_grads(g)
-            return None
-
-        return hook
+        g = self.groups[group]
+        if g.post_bwd_done and self._sync and g.sync:
+            raise RuntimeError(
+                f"fully_shard: a gradient for a parameter of group {g.name or '<root>'!r} "
+                "arrived after that group's gradients were reduced; a group must run "
+                "once per forward (a module called twice, or a parameter used outside "
+                "its group, is not supported)"
+            )
+        if not g.grads_live:
+            self._prepare_grads(g)
 
     def _make_pre_backward(self, g: _Group) -> Callable:
         def hook(grad):
@@ -1037,13 +1039,8 @@ class FSDPEngine(SyncToggle):
             g.used[n] = False
 
 
-def _mark_used(g: _Group, name: str):
-    g.used[name] = False
-
-    def hook(_p):
-        g.used[name] = True
-
-    return hook
+def _mark_used(g: _Group, name: str, _param: torch.Tensor) -> None:
+    g.used[name] = True
 
 
 def _assign_groups(group_modules, paths, params) -> dict[int, int]:

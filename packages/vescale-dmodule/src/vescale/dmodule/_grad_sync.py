@@ -24,6 +24,7 @@ from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor, Partial, Replicate
 
 from vescale.dmodule import _compat
+from vescale.dtensor.hooks import weak_hook
 
 __all__ = ["PartialGradSync"]
 
@@ -48,7 +49,11 @@ class PartialGradSync:
         if auto:
             for p in params:
                 if p.requires_grad:
-                    self._handles.append(p.register_post_accumulate_grad_hook(self._on_grad))
+                    self._handles.append(
+                        p.register_post_accumulate_grad_hook(
+                            weak_hook(PartialGradSync._on_grad, self)
+                        )
+                    )
 
     def _on_grad(self, param: torch.Tensor) -> None:
         if self._queued:

@@ -25,6 +25,7 @@ from vescale.dtensor.device_mesh import (
     init_device_mesh,
     set_default_timeout,
 )
+from vescale.dtensor.hooks import weak_hook
 from vescale.dtensor.placement_types import (
     OP_FAMILIES,
     PluginPlacement,
@@ -72,4 +73,5 @@ __all__ = [
     "RedistributePlan",
     "get_plan",
     "application_order",
+    "weak_hook",
 ]

@@ -53,7 +53,8 @@ class GradientSyncError(RuntimeError):
 
 @dataclass
 class _State:
-    model: nn.Module | None
+    # No strong reference to the model or its parameters: the state lives as long as
+    # the check is on (in ``_active``), and must not keep a deleted model alive.
     rtol: float
     names: dict[int, str] = field(default_factory=dict)
     # keyed by identity: a WeakSet would compare tensors with ``==``
@@ -239,7 +240,7 @@ def enable_gradient_sync_debug(
     Returns:
         A handle; ``handle.remove()`` (or leaving a ``with`` block) turns it off.
     """
-    state = _State(model=model, rtol=rtol)
+    state = _State(rtol=rtol)
     _active.append(state)
     if model is not None:
         for name, p in model.named_parameters():

@@ -81,6 +81,22 @@ def _reset_distributed_state() -> None:
         gc.collect()
 
 
+def _trace(name: str) -> None:
+    path = os.environ.get("VESCALE_POOL_TRACE")
+    if not path:
+        return
+    task_dir = f"/proc/{os.getpid()}/task"
+    n = 0
+    for t in os.listdir(task_dir):
+        try:
+            with open(f"{task_dir}/{t}/comm") as f:
+                n += f.read().strip() == "gloo_tcp_loop"
+        except OSError:
+            pass
+    with open(f"{path}.{os.getpid()}", "a") as f:
+        f.write(f"{n} {name}\n")
+
+
 def _worker_main(
     rank: int,
     world_size: int,
@@ -152,6 +168,7 @@ def _worker_main(
                     f"the return value of rank {rank} is not picklable: {exc!r}"
                 ) from exc
             _reset_distributed_state()
+            _trace(ref.qualname)
             _compat.set_pg_timeout(timedelta(seconds=IDLE_PG_TIMEOUT_S))
             reply = (task_id, rank, True, out)
         except BaseException:
