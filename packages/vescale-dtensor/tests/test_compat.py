@@ -36,6 +36,7 @@ NATIVE = [
     "torch.distributed.distributed_c10d._set_pg_timeout",
     "torch.distributed.distributed_c10d._world",
     "torch.distributed.tensor.debug._clear_sharding_prop_cache",
+    "torch.distributed.tensor._redistribute._gen_transform_infos",
     "torch.distributed.distributed_c10d._resolve_process_group",
     "torch.distributed.tensor.debug._comm_mode.NATIVE_TO_PY_MAPPING",
     "torch.optim.optimizer._foreach_supported_types",
@@ -188,3 +189,29 @@ def test_plugin_dtensor_is_a_dtensor_subclass():
     assert issubclass(_dispatch.PluginDTensor, DTensor)
     # base DTensor keeps torch's own dispatch (no Python override installed by vescale)
     assert DTensor.__torch_dispatch__.__func__.__module__ == "torch.distributed.tensor._api"
+
+
+def _plans_of_two_meshes() -> bool:
+    import torch.distributed.tensor._redistribute as tr
+    from torch.distributed.tensor import Replicate
+
+    from vescale.dtensor import distribute_tensor
+
+    assert _compat.keep_redistribution_plans_across_meshes()  # the pool installed it
+    found = []
+    for _ in range(2):
+        mesh = init_device_mesh("cpu", (2, 2))
+        t = distribute_tensor(torch.arange(16.0).reshape(4, 4), mesh, [Shard(0), Shard(1)])
+        dst = t.redistribute(mesh, [Replicate(), Shard(0)])
+        found.append(tr._gen_transform_infos(t._spec, dst._spec))
+        assert found[-1] == tr._gen_transform_infos_non_cached(t._spec, dst._spec)
+        assert torch.equal(dst.full_tensor(), torch.arange(16.0).reshape(4, 4))
+        _compat.destroy_subgroups()
+        _compat.clear_dtensor_caches()
+    return found[0] is found[1]
+
+
+@distributed(4)
+def test_redistribution_plans_are_kept_by_mesh_layout():
+    # a second mesh of the same layout reuses the plan searched for the first
+    assert _plans_of_two_meshes()

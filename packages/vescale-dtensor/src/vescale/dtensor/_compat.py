@@ -19,6 +19,7 @@ import dataclasses
 import functools
 import inspect
 import warnings
+import weakref
 from collections.abc import Callable, Sequence
 from typing import Any
 
@@ -714,11 +715,94 @@ def clear_dtensor_caches() -> None:
     """
     for fn in _CACHE_CLEARERS:
         fn()
+    _PLANS_BY_TASK.clear()
     import sys
 
     rnd = sys.modules.get("torch.distributed.tensor._random")
     if rnd is not None and hasattr(rnd, "_rng_tracker"):
         rnd._rng_tracker = None
+
+
+_MESH_LAYOUTS: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
+
+
+def _mesh_layout(spec: Any) -> tuple:
+    """What a redistribution plan depends on, without the mesh object (and its groups)."""
+    mesh = spec.device_mesh
+    layout = _MESH_LAYOUTS.get(mesh)
+    if layout is None:
+        coord = mesh.get_coordinate()
+        layout = _MESH_LAYOUTS[mesh] = (
+            mesh.device_type,
+            tuple(mesh.mesh.shape),
+            tuple(mesh.mesh.flatten().tolist()),
+            mesh.mesh_dim_names,
+            None if coord is None else tuple(coord),
+        )
+    meta = spec.tensor_meta
+    return (
+        layout,
+        spec.placements,
+        getattr(spec, "shard_order", None),
+        None if meta is None else (tuple(meta.shape), tuple(meta.stride), meta.dtype),
+    )
+
+
+def _probe_transform_infos() -> str | None:
+    import torch.distributed.tensor._redistribute as tr
+
+    if not callable(getattr(tr, "_gen_transform_infos_non_cached", None)):
+        return "torch.distributed.tensor._redistribute._gen_transform_infos_non_cached is missing"
+    if not callable(getattr(tr, "_gen_transform_infos", None)):
+        return "torch.distributed.tensor._redistribute._gen_transform_infos is missing"
+    return _params_missing(tr._gen_transform_infos_non_cached, ["src_spec", "dst_spec"])
+
+
+_TRANSFORM_INFOS_OK = _INTERNALS.probe(
+    "torch.distributed.tensor._redistribute._gen_transform_infos",
+    _probe_transform_infos,
+    instead="the test pool plans every redistribution again after each task",
+)
+_PLANS_BY_TASK: dict = {}
+
+
+def keep_redistribution_plans_across_meshes() -> bool:
+    """Test-pool helper: remember torch's redistribution plans by mesh layout.
+
+    torch caches a plan (the steps from one placement list to another) by its specs,
+    which hold the mesh: the pool must forget those between tasks, whose meshes it
+    destroys, and a later task on a mesh of the same shape then searches the same plans
+    again (up to a tenth of a second each on a 2-D mesh with a ``_StridedShard``).
+    Installed in the pool's workers, this keeps each plan under the mesh's layout
+    (shape, ranks, this rank's coordinate), which holds no mesh, in a cache that lives
+    as long as the worker; the per-spec cache is cleared with DTensor's other caches.
+
+    Returns:
+        Whether it was installed (torch's planner found where expected).
+    """
+    if not _TRANSFORM_INFOS_OK:
+        return False
+    import torch.distributed.tensor._redistribute as tr
+
+    if getattr(tr._gen_transform_infos, "_vescale_by_layout", False):
+        return True
+    compute = tr._gen_transform_infos_non_cached
+    by_layout: dict = {}
+
+    def plans(src_spec: Any, dst_spec: Any, use_graph_based_transform: bool | None = None):
+        key = (src_spec, dst_spec, use_graph_based_transform)
+        found = _PLANS_BY_TASK.get(key)
+        if found is None:
+            layout = (_mesh_layout(src_spec), _mesh_layout(dst_spec), use_graph_based_transform)
+            found = by_layout.get(layout)
+            if found is None:
+                found = by_layout[layout] = compute(src_spec, dst_spec, use_graph_based_transform)
+            _PLANS_BY_TASK[key] = found
+        return found
+
+    plans._vescale_by_layout = True  # type: ignore[attr-defined]
+    tr._gen_transform_infos = plans
+    return True
 
 
 _RESOLVE_GROUP = getattr(dist.distributed_c10d, "_resolve_process_group", None)

@@ -140,6 +140,8 @@ def _worker_main(
 
     from ._funcref import resolve
 
+    _compat.keep_redistribution_plans_across_meshes()
+
     while True:
         try:
             msg = tasks.get(timeout=1.0)
