@@ -109,9 +109,6 @@ def fresh_caches() -> None:
     They hold meshes of earlier test bodies (whose process groups the pool destroyed);
     a body that builds several meshes starts every one without them.
     """
-    import torch.distributed.tensor._redistribute as R
-    import torch.distributed.tensor.debug as D
+    from vescale.dtensor import _compat
 
-    R._gen_transform_infos.cache_clear()
-    R.clear_redistribute_planner_cache()
-    D._clear_sharding_prop_cache()
+    _compat.clear_dtensor_caches()

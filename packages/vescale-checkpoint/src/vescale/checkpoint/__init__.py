@@ -1,11 +1,11 @@
 """vescale.checkpoint: distributed checkpointing with resharding, on torch.distributed.checkpoint.
 
-.. code-block:: python
+```python
+import vescale.checkpoint as vckpt
 
-    import vescale.checkpoint as vckpt
-
-    vckpt.save("ckpt/step_100", {"model": model, "optimizer": opt, "step": 100})
-    vckpt.load("ckpt/step_100", {"model": model, "optimizer": opt, "step": 0})
+vckpt.save("ckpt/step_100", {"model": model, "optimizer": opt, "step": 100})
+vckpt.load("ckpt/step_100", {"model": model, "optimizer": opt, "step": 0})
+```
 
 ``load`` reshards to whatever mesh and placements the live objects have. DTensors with
 plugin placements (e.g. ``RaggedShard``) are saved as boxes of the global tensor, so

@@ -102,7 +102,7 @@ def _dtype_name(dtype: torch.dtype) -> str:
 
 @dataclass
 class LoadResult:
-    """What :func:`load` did.
+    """What `load` did.
 
     Attributes:
         missing: Live keys not found in the checkpoint (left unchanged).
@@ -118,7 +118,7 @@ class LoadResult:
 
 
 class SaveHandle:
-    """The future of one :func:`save`.
+    """The future of one `save`.
 
     Attributes:
         path: The checkpoint directory being written.
@@ -250,9 +250,9 @@ def _check_staged_everywhere(modified: list[str], group: Any, collective: bool) 
 
 
 def wait_pending() -> None:
-    """Wait for the previous asynchronous :func:`save` of this process.
+    """Wait for the previous asynchronous `save` of this process.
 
-    Re-raises its error, unless the caller already got it from :meth:`SaveHandle.result`.
+    Re-raises its error, unless the caller already got it from `SaveHandle.result`.
     """
     global _pending
     with _pending_lock:
@@ -265,7 +265,7 @@ def wait_pending() -> None:
 
 
 def free_staging_buffers() -> None:
-    """Release the CPU (pinned) buffers kept for the next asynchronous :func:`save`.
+    """Release the CPU (pinned) buffers kept for the next asynchronous `save`.
 
     Async saves reuse the staging buffers of the previous async save when shapes match,
     so staging is one memory copy; this keeps one CPU copy of the last staged state.
@@ -442,9 +442,9 @@ def save(
         async_op: Return once the state is staged in CPU memory; agreeing on the save
             id, planning, writing and the commit run on a background thread, whose
             collectives use a gloo group of their own. The next ``save`` (or
-            :func:`wait_pending`) waits for it. Staging buffers are kept and reused by
-            the next async save when shapes match (:func:`free_staging_buffers`
-            releases them). Call :func:`wait_pending` before
+            `wait_pending`) waits for it. Staging buffers are kept and reused by
+            the next async save when shapes match (`free_staging_buffers`
+            releases them). Call `wait_pending` before
             ``dist.destroy_process_group()``.
         staging: (``async_op`` only) ``"blocking"``: return once every tensor is
             copied. ``"background"``: return once the state is flattened; the copies of
@@ -454,7 +454,7 @@ def save(
             source tensor's version counter is checked after its copy: a tensor written
             in place meanwhile (by anything but an optimizer step) fails the save on
             every rank with a ``RuntimeError`` naming it, instead of saving torn values.
-            :meth:`SaveHandle.wait_staged` waits for the copies explicitly (before
+            `SaveHandle.wait_staged` waits for the copies explicitly (before
             writing saved tensors outside an optimizer). Module buffers (which
             kernels such as BatchNorm's update without a version bump) and CUDA
             tensors are staged before the call returns in both modes.
@@ -467,7 +467,7 @@ def save(
         async_checkpoint: veScale's name for ``async_op``.
 
     Returns:
-        A :class:`SaveHandle`; already done unless ``async_op``.
+        A `SaveHandle`; already done unless ``async_op``.
     """
     if async_checkpoint is not None:
         if async_op and not async_checkpoint:

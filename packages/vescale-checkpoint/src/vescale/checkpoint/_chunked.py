@@ -111,10 +111,10 @@ def chunked_from_dtensor(dt: DTensor, *, for_load: bool) -> ChunkedTensor:
     """Describe a DTensor's local data as boxes of the global tensor (no communication).
 
     Args:
-        dt: A DTensor (any placements that :func:`local_boxes` supports).
+        dt: A DTensor (any placements that `local_boxes` supports).
         for_load: If true, the box views must alias the live local tensor; a
             non-contiguous local tensor is staged in a contiguous buffer that is copied
-            back by :meth:`ChunkedTensor.finish_load`.
+            back by `ChunkedTensor.finish_load`.
 
     Raises:
         UnsupportedLayout: The placements cannot be described as boxes.

@@ -4,7 +4,7 @@ Probed by feature when imported (see ``vescale.dtensor._compat.TorchInternals``)
 DCP's filesystem ``_StorageInfo`` (the location of a chunk in a data file, which the
 checked reader and writer extend with a CRC32) and ``torch._utils._element_size``.
 A missing one is replaced by a public equivalent where one exists, with one
-``TorchInternalsWarning``; :func:`check_torch_internals` reports what was found.
+``TorchInternalsWarning``; `check_torch_internals` reports what was found.
 """
 
 from __future__ import annotations

@@ -61,7 +61,7 @@ def export(
     output shard, not the whole checkpoint.
 
     Args:
-        path: A checkpoint directory written by :func:`vescale.checkpoint.save`.
+        path: A checkpoint directory written by `vescale.checkpoint.save`.
         out_dir: Output directory (created).
         format: Only ``"safetensors"``.
         prefix: Export only keys under ``prefix + "."`` with the prefix stripped

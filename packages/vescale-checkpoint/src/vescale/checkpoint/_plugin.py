@@ -1,6 +1,6 @@
 """vescale-checkpoint's plugin module, loaded through the ``vescale`` entry point.
 
-It adds :mod:`vescale.checkpoint.hookspecs` to the plugin manager and answers
+It adds `vescale.checkpoint.hookspecs` to the plugin manager and answers
 ``vescale_checkpoint_storage`` for local paths (``trylast``, so third-party storages
 registered through the same hook take precedence).
 """

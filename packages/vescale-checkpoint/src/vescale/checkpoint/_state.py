@@ -103,7 +103,7 @@ class FlatState:
     finishers: list[Callable[[], None]] = field(default_factory=list)
 
     def build(self) -> None:
-        """Compute the entries left as :class:`Later` (thread-safe: touches staged buffers only)."""
+        """Compute the entries left as `Later` (thread-safe: touches staged buffers only)."""
         for d in (self.tensors, self.tensor_info):
             for k, v in d.items():
                 if isinstance(v, Later):
@@ -192,20 +192,20 @@ class Stager:
     A buffer is kept per flattened key and reused by the next staging of the same key
     when shape and dtype match (no allocation, no page faults: staging is a plain
     memory copy). CUDA tensors go to pinned buffers with non-blocking copies and one
-    synchronisation in :meth:`finish`. Buffers of keys absent from a save are dropped
+    synchronisation in `finish`. Buffers of keys absent from a save are dropped
     then, so at most one CPU copy of the last staged state is kept.
 
-    Dense CPU tensors are copied with :func:`raw_copy` (``memmove``). CPU tensors of at
-    least 16 MiB are copied in :meth:`finish` by ``copy_threads`` threads in slices (the
+    Dense CPU tensors are copied with `raw_copy` (``memmove``). CPU tensors of at
+    least 16 MiB are copied in `finish` by ``copy_threads`` threads in slices (the
     copies release the GIL); smaller ones, and all of them when ``copy_threads`` is 1,
-    are copied at once. Every copy is complete when :meth:`finish` returns. A tensor
+    are copied at once. Every copy is complete when `finish` returns. A tensor
     whose storage is smaller than its view (freed) raises ``ValueError`` naming it.
 
     A buffer may only be reused once the save that wrote from it has finished;
-    :func:`vescale.checkpoint.save` waits for the previous async save before staging.
+    `vescale.checkpoint.save` waits for the previous async save before staging.
 
     Args:
-        copy_threads: Threads for big copies (``None``: :func:`auto_copy_threads`).
+        copy_threads: Threads for big copies (``None``: `auto_copy_threads`).
 
     Attributes:
         bytes_copied: Bytes copied by the last staging.
@@ -218,7 +218,7 @@ class Stager:
         self._used: dict[str, torch.Tensor] = {}
         self._big: list[tuple[torch.Tensor, torch.Tensor]] = []
         self._background = False
-        # (key, buffer, source, source version) of copies left to :meth:`complete`
+        # (key, buffer, source, source version) of copies left to `complete`
         self._deferred: list[tuple[str, torch.Tensor, torch.Tensor, int]] = []
         self._sync_cuda = False
         self._threads = 1
@@ -230,7 +230,7 @@ class Stager:
         self.threads_used = 1
 
     def begin(self, background: bool = False) -> None:
-        """Start a staging; with ``background``, CPU copies wait for :meth:`complete`."""
+        """Start a staging; with ``background``, CPU copies wait for `complete`."""
         self._used = {}
         self._big = []
         self._background = background
@@ -243,7 +243,7 @@ class Stager:
         self.threads_used = 1
 
     def copy(self, key: str, t: torch.Tensor) -> torch.Tensor:
-        """A CPU buffer that holds ``t``'s values once :meth:`finish` returned."""
+        """A CPU buffer that holds ``t``'s values once `finish` returned."""
         t = t.detach()
         pin = t.device.type == "cuda"
         buf = self._buffers.get(key)
@@ -315,13 +315,13 @@ class Stager:
 
     @property
     def deferred_bytes(self) -> int:
-        """Bytes whose copy waits for :meth:`complete` (background staging)."""
+        """Bytes whose copy waits for `complete` (background staging)."""
         return sum(b.numel() * b.element_size() for _, b, _, _ in self._deferred)
 
     def complete(self) -> list[str]:
         """Run the deferred copies (any thread); return the keys modified meanwhile.
 
-        A source whose version counter moved between :meth:`copy` and the end of its
+        A source whose version counter moved between `copy` and the end of its
         copy was written to while being staged: its staged values may be torn.
         """
         pending, self._deferred = self._deferred, []
@@ -356,7 +356,7 @@ def _version_or_none(t: torch.Tensor) -> int | None:
 
 
 class Later:
-    """A value computed later by :meth:`FlatState.build` (off the caller's thread)."""
+    """A value computed later by `FlatState.build` (off the caller's thread)."""
 
     __slots__ = ("fn",)
 
@@ -380,7 +380,7 @@ _BOXES: dict[tuple, tuple[Any, Any]] = {}
 
 
 def _staged_boxes(t: DTensor, key: str, stage: Stager) -> Later | None:
-    """Stage ``t``'s local tensor now; build its :class:`ChunkedTensor` later.
+    """Stage ``t``'s local tensor now; build its `ChunkedTensor` later.
 
     Everything that reads the live DTensor (mesh coordinate, placements, box
     decomposition) runs here, on the caller's thread; the deferred part only slices the
@@ -425,7 +425,7 @@ def _staged_boxes(t: DTensor, key: str, stage: Stager) -> Later | None:
 
 
 def _tensor_entry(t: torch.Tensor, key: str, *, for_load: bool, stage, flat: FlatState):
-    """The DCP object for one tensor leaf and its manifest record (either may be a :class:`Later`)."""
+    """The DCP object for one tensor leaf and its manifest record (either may be a `Later`)."""
     _stage = (lambda x: stage.copy(key, x)) if stage else None
     if isinstance(t, DTensor):
         placements = t.placements
@@ -544,17 +544,17 @@ def flatten_state(
     Args:
         state: ``{"model": module, "optimizer": opt, "step": 100, ...}``.
         for_load: Build load targets (views of the live objects) instead of save sources.
-        stage: (save only) a :class:`Stager` that copies every tensor to CPU, so the
+        stage: (save only) a `Stager` that copies every tensor to CPU, so the
             live objects may change while the copy is written. Every copy is complete
             when this returns.
         defer: (with ``stage``) leave the DCP objects that only depend on staged
-            buffers (box views, manifest records) as :class:`Later` entries for
-            :meth:`FlatState.build`, which an async save calls on its background thread.
+            buffers (box views, manifest records) as `Later` entries for
+            `FlatState.build`, which an async save calls on its background thread.
         background: (with ``stage``) leave the copies of dense CPU tensors to
-            :meth:`Stager.complete` (background staging).
+            `Stager.complete` (background staging).
 
     Returns:
-        The :class:`FlatState`.
+        The `FlatState`.
     """
     if not isinstance(state, dict):
         raise TypeError(f"state must be a dict, got {type(state).__name__}")

@@ -7,7 +7,7 @@ What this adds to DCP's filesystem layer:
   same values) over exactly the bytes it hands to the file (no re-read),
   the reader reads each chunk straight into the destination tensor when the chunk
   covers it (one copy, as ``readinto``) and checksums the bytes as they arrive; a
-  flipped byte raises :class:`CheckpointCorruptError` naming the file and the tensor.
+  flipped byte raises `CheckpointCorruptError` naming the file and the tensor.
   Chunks carry the transform descriptor ``vescale-raw/1`` in DCP's metadata, so
   DCP's plain ``FileSystemReader`` refuses them loudly instead of misreading them;
 - DCP's pickled ``.metadata`` is checksummed too and read with an allow-list
@@ -315,13 +315,13 @@ class VescaleFileSystemWriter(FileSystemWriter):
 
     Each rank writes its chunks as raw row-major bytes into ``thread_count`` files
     (one writer thread per file). The CRC32 is computed over the very buffer that is
-    handed to ``write`` (no re-read, no extra copy); :data:`crc32` (ISA-L or zlib) and
+    handed to ``write`` (no re-read, no extra copy); `crc32` (ISA-L or zlib) and
     the write both release the GIL, so threads overlap. Every chunk is recorded in DCP's
-    metadata with the transform descriptor ``vescale-raw/1``; on the coordinator, :meth:`finish`
-    moves the CRCs into :attr:`chunk_records` before DCP pickles plain metadata.
+    metadata with the transform descriptor ``vescale-raw/1``; on the coordinator, `finish`
+    moves the CRCs into `chunk_records` before DCP pickles plain metadata.
 
     Args:
-        path: Directory to write (the staging directory during :func:`save`).
+        path: Directory to write (the staging directory during `save`).
         sync_files: ``fsync`` every file (DCP's option).
         thread_count: Files and writer threads per rank (DCP's option).
 
@@ -925,7 +925,7 @@ class VescaleFileSystemReader(FileSystemReader):
 
     Args:
         path: A complete checkpoint directory.
-        manifest: Its manifest (read with :func:`read_manifest` if omitted).
+        manifest: Its manifest (read with `read_manifest` if omitted).
         verify: Check every chunk's CRC32 as it is read.
 
     Attributes:

@@ -1,7 +1,7 @@
 """Hook specifications owned by vescale-checkpoint.
 
 They join the ``vescale`` plugin manager through the core ``vescale_addhooks`` hook,
-from :mod:`vescale.checkpoint._plugin`.
+from `vescale.checkpoint._plugin`.
 """
 
 from __future__ import annotations
@@ -20,8 +20,8 @@ def vescale_checkpoint_storage(uri: str) -> tuple[Any, Any] | None:
     ``trylast`` for local paths and ``file://`` URIs; a plugin adds object stores by
     answering for its own schemes (``s3://...``). Asked once per ``save``/``load`` call.
 
-    A writer/reader pair that subclasses :class:`vescale.checkpoint.VescaleFileSystemWriter`
-    / :class:`~vescale.checkpoint.VescaleFileSystemReader` gets atomic commit (local
+    A writer/reader pair that subclasses `vescale.checkpoint.VescaleFileSystemWriter`
+    / `VescaleFileSystemReader` gets atomic commit (local
     filesystem renames), stale staging-dir cleanup, ``keep_last`` rotation, per-chunk
     CRC32 and the JSON manifest (plain values). Any other DCP writer/reader is used as
     is: tensors only, no commit, no checksums, no plain values.

@@ -1,6 +1,6 @@
 """vescale.dmodule: distributed modules for vescale.
 
-:func:`parallelize_module` (or :class:`DModule`, the same call) shards an unmodified
+`parallelize_module` (or `DModule`, the same call) shards an unmodified
 ``nn.Module`` over a device mesh by a plain-dict sharding plan: parameters become
 DTensors with the planned placements, forward hooks move planned module inputs and
 outputs to their placements, plain tensors created inside ``forward`` act as
@@ -10,13 +10,13 @@ derived from the model's structure through the ``vescale_sharding_plan`` hook. t
 ``ParallelStyle`` plans (``{"fc1": ColwiseParallel(), ...}``) are accepted too.
 
 Data parallelism is chosen per named mesh dim with ``data_parallel={"dp": "ddp"}`` or
-``{"dp": "fsdp"}`` (or directly with :func:`replicate` / :func:`fully_shard`): DDP with
+``{"dp": "fsdp"}`` (or directly with `replicate` / `fully_shard`): DDP with
 bucketed, overlapped all-reduces, and FSDP whose parameters are ``RaggedShard`` views of
 padding-free flat buffers gathered and reduce-scattered with no extra copies. HSDP is
 ``{"rep": "ddp", "shard": "fsdp"}``: sharded over one dim, replicated over the other.
 
 ``activation_checkpointing=True`` (or regexes, or a predicate) recomputes the chosen
-submodules' activations in backward (:func:`apply_activation_checkpointing`).
+submodules' activations in backward (`apply_activation_checkpointing`).
 """
 
 from vescale.dmodule.__about__ import __version__

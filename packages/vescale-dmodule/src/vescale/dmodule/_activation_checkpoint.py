@@ -1,6 +1,6 @@
 """Activation checkpointing of chosen submodules, composed with TP, DDP, FSDP and HSDP.
 
-:func:`apply_activation_checkpointing` replaces the ``forward`` of each chosen
+`apply_activation_checkpointing` replaces the ``forward`` of each chosen
 submodule **on the instance** (the class is untouched) by a call of
 ``torch.utils.checkpoint.checkpoint(forward, ..., use_reentrant=False)``: the
 submodule keeps only its inputs for backward and recomputes its forward when
@@ -11,7 +11,7 @@ and run once; hooks of modules *inside* it run again during the recomputation.
 During a recomputation (backward, so the parallel engines' forward state is gone)
 the checkpoint's ``context_fn`` recreates what the original forward had:
 
-* FSDP/HSDP (:meth:`FSDPEngine.recompute_context`): the groups enclosing the
+* FSDP/HSDP (`FSDPEngine.recompute_context`): the groups enclosing the
   submodule are unsharded if needed and their unsharded parameters swapped in;
   groups inside it see the recomputation (``FSDPEngine.in_recompute``) and only
   unshard and swap in, without recording the forward order, prefetching,
@@ -55,7 +55,7 @@ class _ACState:
 
 
 def is_checkpointed(module: nn.Module) -> bool:
-    """True if ``module``'s forward was wrapped by :func:`apply_activation_checkpointing`."""
+    """True if ``module``'s forward was wrapped by `apply_activation_checkpointing`."""
     return _AC_ATTR in module.__dict__
 
 
@@ -145,13 +145,13 @@ def apply_activation_checkpointing(
     Each selected submodule's forward runs under
     ``torch.utils.checkpoint.checkpoint(..., use_reentrant=False)``; see the module
     docs for how it composes with the data-parallel engines and tensor parallelism.
-    Apply it before or after :func:`~vescale.dmodule.parallelize_module` /
+    Apply it before or after `parallelize_module` /
     ``fully_shard`` / ``replicate`` (``DModule(..., activation_checkpointing=...)``
     applies it last). Modules already checkpointed are left as they are.
 
     Args:
         model: The model (the root of the engines and of ``which``'s names).
-        which: See :func:`resolve_checkpoint_modules`.
+        which: See `resolve_checkpoint_modules`.
         preserve_rng_state: Restore the RNG state for the recomputation (dropout
             masks identical to the forward's).
 

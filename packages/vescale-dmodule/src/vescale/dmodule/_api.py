@@ -57,7 +57,7 @@ class _State:
 
 
 class DModule:
-    """A module parallelized in place by :func:`parallelize_module`.
+    """A module parallelized in place by `parallelize_module`.
 
     ``DModule(model, device_mesh, sharding_plan=None, **options)`` is the same call as
     ``parallelize_module(...)``: it shards ``model``'s parameters **in place** and
@@ -86,7 +86,7 @@ class DModule:
         """Context manager: backward passes inside accumulate gradients locally.
 
         The same as ``torch.nn.parallel.DistributedDataParallel.no_sync()`` and
-        :func:`vescale.dmodule.no_sync`; a no-op without data parallelism.
+        `vescale.dmodule.no_sync`; a no-op without data parallelism.
         """
         from vescale.dmodule._fsdp import no_sync
 
@@ -212,7 +212,7 @@ def _dmodule_class(cls: type) -> type:
 
 
 def is_dmodule(model: nn.Module) -> bool:
-    """True if ``model`` was parallelized by :func:`parallelize_module`."""
+    """True if ``model`` was parallelized by `parallelize_module`."""
     return _STATE in getattr(model, "__dict__", {})
 
 
@@ -235,19 +235,21 @@ def parallelize_module(
     Parameters become DTensor parameters with the planned placements (unplanned
     parameters and buffers: ``Replicate()`` on every mesh dim); forward pre/post
     hooks move the planned module inputs and outputs to their placements. The
-    model's class and code are untouched (see :class:`DModule`). Build the
+    model's class and code are untouched (see `DModule`). Build the
     optimizer **after** this call: parameters are new objects.
 
-    Plan format::
+    Plan format:
 
-        {
-            "parameter": {r"blocks\\.\\d+\\.attn\\.q_proj\\.weight": [Shard(0)]},
-            "forward": {
-                "fc1.input": [[Replicate()]],            # per positional arg; None skips
-                r"blocks\\.\\d+\\.attn.input": {"x": [Shard(1)]},  # by argument name
-                "fc2.output": [[Replicate()]],           # per output; a dict for dict outputs
-            },
-        }
+    ```python
+    {
+        "parameter": {r"blocks\\.\\d+\\.attn\\.q_proj\\.weight": [Shard(0)]},
+        "forward": {
+            "fc1.input": [[Replicate()]],            # per positional arg; None skips
+            r"blocks\\.\\d+\\.attn.input": {"x": [Shard(1)]},  # by argument name
+            "fc2.output": [[Replicate()]],           # per output; a dict for dict outputs
+        },
+    }
+    ```
 
     Keys are regexes that full-match ``named_modules()`` names plus a suffix: a
     parameter or buffer name for the parameter section, ``.input``/``.output`` for
@@ -308,7 +310,7 @@ def parallelize_module(
     full tensors, not the model's.
 
     Returns:
-        ``model`` itself, now also an instance of :class:`DModule`.
+        ``model`` itself, now also an instance of `DModule`.
 
     Raises:
         PlanSectionError: The plan has an unknown section (both a ``KeyError`` and a
@@ -619,7 +621,7 @@ def _fmt_spec(spec) -> str:
 
 
 def dump_plan(model: nn.Module) -> str:
-    """Describe what :func:`parallelize_module` applied to ``model``.
+    """Describe what `parallelize_module` applied to ``model``.
 
     One line per parameter/buffer (its names, placements, global and local shape,
     and the plan key that chose them) and per planned module input/output.

@@ -17,7 +17,7 @@ Rules (applied to leaf modules by the last component of their name):
   ``Shard(seq_dim)`` with sequence parallelism (reduce-scatter).
 * ``lm_head``: column-parallel; output gathered to ``Replicate()`` so any loss works
   (override ``"lm_head.output": [[Shard(-1)]]`` and use
-  :func:`vescale.dmodule.vocab_parallel_cross_entropy` to never gather logits).
+  `vescale.dmodule.vocab_parallel_cross_entropy` to never gather logits).
 * Norms (class name containing ``Norm``): replicated; with sequence parallelism
   their output is gathered to ``Replicate()`` (the all-gather before attention, MLP
   and ``lm_head`` in pre-norm transformers).

@@ -4,7 +4,7 @@ Probed by feature when imported (see ``vescale.dtensor._compat.TorchInternals``)
 internal that is missing or changed is replaced by a slower public path where one
 exists; otherwise the one feature that needs it raises a clear error when used. Either
 way the package imports, and one ``TorchInternalsWarning`` names the internal.
-:func:`check_torch_internals` reports what was found; the test suite compares it with
+`check_torch_internals` reports what was found; the test suite compares it with
 the report recorded for the torch under test.
 """
 
@@ -239,7 +239,7 @@ def tree_flatten(tree: Any) -> tuple[list[Any], Any]:
 
 
 def tree_unflatten(leaves: list[Any], spec: Any) -> Any:
-    """Inverse of :func:`tree_flatten`."""
+    """Inverse of `tree_flatten`."""
     return _TREE_UNFLATTEN(leaves, spec) if _PYTREE_OK else _unflatten_public(list(leaves), spec)
 
 

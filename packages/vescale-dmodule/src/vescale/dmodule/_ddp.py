@@ -1,9 +1,9 @@
 """Distributed data parallelism with bucketed, overlapped gradient all-reduce.
 
-:func:`replicate` keeps plain-tensor parameters plain (each rank holds the full
+`replicate` keeps plain-tensor parameters plain (each rank holds the full
 value, as in torch DDP), so the forward, the backward and the user's optimizer run
 on plain tensors at full speed; parameters that already are DTensors, e.g.
-tensor-parallel ones from :func:`~vescale.dmodule.parallelize_module`, keep their
+tensor-parallel ones from `parallelize_module`, keep their
 placements and must be ``Replicate()`` on the dp dim. Gradients live in contiguous
 *buckets*: each parameter's ``.grad`` is a view of one bucket (a DTensor around the
 view for a DTensor parameter). Before a forward, a parameter without a gradient
@@ -22,8 +22,8 @@ single-device training (no hang, no extra collective). Buckets are rebuilt befor
 forward when the set of parameters that require grad changed.
 
 Plain parameters are declared replicated over the mesh
-(:func:`vescale.debug.declare_replicated`), so
-:func:`vescale.debug.enable_gradient_sync_debug` checks them like replicated
+(`vescale.debug.declare_replicated`), so
+`vescale.debug.enable_gradient_sync_debug` checks them like replicated
 DTensors.
 """
 
@@ -84,7 +84,7 @@ class _Bucket:
 
 
 class DDPEngine(SyncToggle):
-    """State and hooks of one :func:`replicate`-d module.
+    """State and hooks of one `replicate`-d module.
 
     Attributes:
         buckets: Gradient buckets, in the order their all-reduces are expected.
@@ -359,7 +359,7 @@ def replicate(
             bucket of its own).
         broadcast_from: Rank (on ``dp_dim``) whose parameter values every rank takes
             at wrap time; ``None`` keeps each rank's own.
-        mixed_precision: :class:`~vescale.dmodule.MixedPrecision` or torch's
+        mixed_precision: `MixedPrecision` or torch's
             ``MixedPrecisionPolicy``: the module's parameters stay the (e.g. fp32)
             masters the optimizer steps; each forward runs on ``param_dtype`` casts of
             them (differentiable, so the gradients accumulate in the masters' dtype),
@@ -370,8 +370,8 @@ def replicate(
 
     Returns:
         ``module`` itself, its class swapped for a subclass of
-        :class:`~vescale.dmodule.ReplicatedModule` and the original class
-        (``set_requires_gradient_sync()``); its engine (:class:`DDPEngine`) is
+        `ReplicatedModule` and the original class
+        (``set_requires_gradient_sync()``); its engine (`DDPEngine`) is
         ``get_dp_engine(module)``. Build the optimizer after this call.
 
     Raises:

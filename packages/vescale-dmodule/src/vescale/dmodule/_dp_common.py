@@ -1,11 +1,11 @@
-"""Shared pieces of the data-parallel engines (:mod:`._ddp`, :mod:`._fsdp`).
+"""Shared pieces of the data-parallel engines (`._ddp`, `._fsdp`).
 
 * input validation that runs before any collective (mesh dim by name or index,
   one device for all parameters, a module is wrapped only once);
 * parameter paths: every ``(submodule, attribute)`` under which a parameter is
   registered, so that tied weights are swapped together;
-* :class:`MixedPrecision`;
-* :func:`dp_memory_bytes`, the per-rank accounting of parameters, gradients and
+* `MixedPrecision`;
+* `dp_memory_bytes`, the per-rank accounting of parameters, gradients and
   optimizer state used by the tests and the benchmark.
 """
 
@@ -45,7 +45,7 @@ DP_STATE_ATTR = "_vescale_dp_state"
 
 @dataclasses.dataclass(frozen=True)
 class MixedPrecision:
-    """Mixed-precision policy of :func:`~vescale.dmodule.fully_shard` and :func:`~vescale.dmodule.replicate`.
+    """Mixed-precision policy of `fully_shard` and `replicate`.
 
     The same four fields as torch's ``torch.distributed.fsdp.MixedPrecisionPolicy``,
     which both functions also accept (``mp_policy=``).
@@ -70,9 +70,9 @@ class MixedPrecision:
 def resolve_mixed_precision(
     mixed_precision: Any, mp_policy: Any, what: str
 ) -> MixedPrecision | None:
-    """One :class:`MixedPrecision` from ``mixed_precision=`` or ``mp_policy=`` (not both).
+    """One `MixedPrecision` from ``mixed_precision=`` or ``mp_policy=`` (not both).
 
-    Either may be a :class:`MixedPrecision` or torch's ``MixedPrecisionPolicy``;
+    Either may be a `MixedPrecision` or torch's ``MixedPrecisionPolicy``;
     anything else is a ``TypeError`` naming the argument.
     """
     if mixed_precision is not None and mp_policy is not None:

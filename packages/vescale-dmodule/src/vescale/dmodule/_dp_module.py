@@ -1,9 +1,9 @@
-"""Methods that :func:`~vescale.dmodule.fully_shard` and :func:`~vescale.dmodule.replicate` add.
+"""Methods that `fully_shard` and `replicate` add.
 
 As FSDP2's ``fully_shard`` does, both swap the wrapped module's class for a cached
 subclass of a mixin and the module's own class, so the object keeps its identity,
 attributes and code while gaining FSDP2's per-module controls. The swap composes with
-:class:`~vescale.dmodule.DModule`'s (a ``DModule`` wrapped again by ``fully_shard``
+`DModule`'s (a ``DModule`` wrapped again by ``fully_shard``
 becomes ``FSDPDModule<Name>``, an instance of both mixins and of the original class).
 """
 
@@ -43,7 +43,7 @@ def _engine(module: nn.Module, kind: str) -> Any:
 
 
 class FullyShardedModule:
-    """Per-module controls of a module wrapped by :func:`~vescale.dmodule.fully_shard`.
+    """Per-module controls of a module wrapped by `fully_shard`.
 
     The names and meanings are FSDP2's (``torch.distributed.fsdp.FSDPModule``). With the
     per-layer-then-root idiom every wrapped module has them and acts on its own group
@@ -54,7 +54,7 @@ class FullyShardedModule:
         """All-gather this module's own parameters (not its sub-groups').
 
         Afterwards the module's parameters are the unsharded compute tensors until
-        :meth:`reshard` or the end of the next forward. With ``async_op=True`` the
+        `reshard` or the end of the next forward. With ``async_op=True`` the
         all-gather is only started; the returned handle's ``wait()`` finishes it and
         registers the unsharded parameters.
 
@@ -112,7 +112,7 @@ class FullyShardedModule:
 
 
 class ReplicatedModule:
-    """Per-module controls of a module wrapped by :func:`~vescale.dmodule.replicate` (DDP)."""
+    """Per-module controls of a module wrapped by `replicate` (DDP)."""
 
     def set_requires_gradient_sync(
         self, requires_gradient_sync: bool, *, recurse: bool = True

@@ -1,10 +1,10 @@
 """Zero-copy fully sharded data parallelism on ``RaggedShard`` flat buffers.
 
-:func:`fully_shard` splits a module into *groups* (by default every element of an
+`fully_shard` splits a module into *groups* (by default every element of an
 ``nn.ModuleList``, i.e. every transformer block, plus the root for the rest). The
-parameters of a group are laid out by :func:`vescale.ragged.plan_flat_buffers` in one
+parameters of a group are laid out by `vescale.ragged.plan_flat_buffers` in one
 padding-free flat buffer per dtype, sharded over the data-parallel mesh dim by a
-:class:`vescale.ragged.FlatBuffer`. Each parameter becomes an ordinary leaf
+`vescale.ragged.FlatBuffer`. Each parameter becomes an ordinary leaf
 ``nn.Parameter`` DTensor whose placement on the dp dim is its ``RaggedShard`` and
 whose local tensor is a view of the rank's slice, so any ``torch.optim`` optimizer
 steps the shards directly.
@@ -44,7 +44,7 @@ own ``PartialGradSync`` is released (it watched the replaced parameters).
 
 Bytes sent per rank and step (ring): ``3 (N-1)/N P`` with ``reshard_after_forward``,
 ``2 (N-1)/N P`` without; no bytes are copied besides the collectives (mixed
-precision adds the casts, counted in :attr:`FSDPEngine.cast_copy_bytes`).
+precision adds the casts, counted in `FSDPEngine.cast_copy_bytes`).
 
 **HSDP** (``replicate_dim``): the sharded parameters are also ``Replicate()`` on a
 second data-parallel dim (``R`` ranks). When a group's reduce-scatter has been
@@ -52,10 +52,10 @@ waited, one asynchronous ``all_reduce(AVG)`` of its sharded gradient runs over t
 dim; the end-of-backward callback waits for them and then installs the gradients
 (``+ 2 (R-1)/R P/N`` bytes per step).
 
-**Activation checkpointing** (:mod:`._activation_checkpoint`): a group's forward may
-run again in backward. :meth:`FSDPEngine.recompute_context` unshards and swaps in the
+**Activation checkpointing** (`._activation_checkpoint`): a group's forward may
+run again in backward. `FSDPEngine.recompute_context` unshards and swaps in the
 groups enclosing the recomputed module; the hooks of groups inside it see
-:meth:`FSDPEngine.in_recompute` and only unshard and swap in.
+`FSDPEngine.in_recompute` and only unshard and swap in.
 """
 
 from __future__ import annotations
@@ -233,7 +233,7 @@ class _PostBackward(torch.autograd.Function):
 
 
 class FSDPEngine(SyncToggle):
-    """State and hooks of one :func:`fully_shard`-ed module (see the module docs).
+    """State and hooks of one `fully_shard`-ed module (see the module docs).
 
     Attributes:
         groups: The parameter groups, in module order (the root first).
@@ -723,7 +723,7 @@ class FSDPEngine(SyncToggle):
     def in_recompute(self) -> bool:
         """Whether a forward running now is an activation-checkpoint recomputation.
 
-        True inside :meth:`recompute_context` and whenever a forward runs inside the
+        True inside `recompute_context` and whenever a forward runs inside the
         autograd engine (a non-reentrant ``torch.utils.checkpoint`` recomputes from a
         saved-tensor unpack hook during backward).
         """
@@ -1241,11 +1241,11 @@ def fully_shard(
             (``True``) or 1 (``False``); other divisors raise ``NotImplementedError``.
         prefetch: Start the next group's all-gather asynchronously, in forward and
             in backward.
-        mixed_precision: :class:`MixedPrecision` (or torch's ``MixedPrecisionPolicy``);
+        mixed_precision: `MixedPrecision` (or torch's ``MixedPrecisionPolicy``);
             e.g. ``MixedPrecision(torch.bfloat16, torch.float32)`` computes in bf16
             with fp32 sharded masters and an fp32 gradient reduce-scatter.
         mp_policy: FSDP2's name for ``mixed_precision`` (a
-            ``torch.distributed.fsdp.MixedPrecisionPolicy`` or :class:`MixedPrecision`).
+            ``torch.distributed.fsdp.MixedPrecisionPolicy`` or `MixedPrecision`).
         offload_policy: ``torch.distributed.fsdp.CPUOffloadPolicy()``: the sharded
             parameters, their gradients and so the optimizer state and step live in
             CPU memory (pinned where CUDA exists); each group's shard is copied to the
@@ -1254,7 +1254,7 @@ def fully_shard(
             placement does not change but the copies still run. ``None`` or
             ``OffloadPolicy()``: no offload.
         granularity: Where the planner may cut a parameter (``"element"``,
-            ``"row"`` or a block shape; see :mod:`vescale.ragged`).
+            ``"row"`` or a block shape; see `vescale.ragged`).
         find_unused_parameters: Parameters that have no gradient on any rank (unused
             in this backward and none accumulated before) keep ``grad = None``, as in
             single-device training, at the cost of one tiny all-reduce (a flag per
@@ -1268,9 +1268,9 @@ def fully_shard(
 
     Returns:
         ``module`` itself, its class swapped for a subclass of
-        :class:`FullyShardedModule` and the original class (``unshard()``,
+        `FullyShardedModule` and the original class (``unshard()``,
         ``reshard()``, ``set_requires_gradient_sync()``, ...); its engine is
-        ``get_dp_engine(module)`` (:class:`FSDPEngine`).
+        ``get_dp_engine(module)`` (`FSDPEngine`).
 
     Raises:
         ValueError: ``dp_dim`` (or ``replicate_dim``) not in the mesh, both the same

@@ -3,7 +3,7 @@
 Under sequence parallelism a replicated parameter (a norm weight, a row-parallel
 bias) sees only its rank's slice of the sequence, so its gradient comes out of
 backward as ``Partial`` on the tensor-parallel mesh dim. Before the optimizer
-step these gradients must be summed. :class:`PartialGradSync` flattens every such
+step these gradients must be summed. `PartialGradSync` flattens every such
 gradient of one (mesh dims, reduce op, dtype) group into one buffer and issues a
 single ``all_reduce`` per mesh dim, then stores the gradients back as
 ``Replicate`` on that dim.
@@ -37,7 +37,7 @@ class PartialGradSync:
     Args:
         params: The (DTensor) parameters to watch.
         mesh: Their device mesh.
-        auto: Register hooks that run :meth:`sync` after every backward.
+        auto: Register hooks that run `sync` after every backward.
     """
 
     def __init__(self, params: list[nn.Parameter], mesh: DeviceMesh, auto: bool = True) -> None:

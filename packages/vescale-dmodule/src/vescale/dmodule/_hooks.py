@@ -34,7 +34,7 @@ def to_placements(
     A DTensor is redistributed (nothing happens if it already has them). A plain
     tensor is taken to hold the same full value on every rank (``Replicate()``)
     and then redistributed, so ``Shard`` picks each rank's chunk locally. Other
-    values are returned unchanged. A :class:`LocalLayout` entry (torch
+    values are returned unchanged. A `LocalLayout` entry (torch
     ``ParallelStyle`` semantics) takes a plain tensor as this rank's local part.
     """
     if placements is None:

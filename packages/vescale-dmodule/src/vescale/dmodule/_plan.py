@@ -272,7 +272,7 @@ def check_param_placements(
 
 
 def _check_entry(value: Any, mesh: DeviceMesh, where: str) -> Any:
-    """One tensor's forward entry: ``None``, a placement list or a :class:`LocalLayout`."""
+    """One tensor's forward entry: ``None``, a placement list or a `LocalLayout`."""
     if value is None:
         return None
     if isinstance(value, LocalLayout):

@@ -3,7 +3,7 @@
 ``{"attn.q": ColwiseParallel(), "norm": SequenceParallel(), ...}`` (the plan torch's
 ``torch.distributed.tensor.parallel.parallelize_module`` takes) becomes a
 ``{"parameter": ..., "forward": ...}`` plan: parameter placements on the
-tensor-parallel mesh dim, and :class:`~vescale.dmodule._plan.LocalLayout` forward
+tensor-parallel mesh dim, and `LocalLayout` forward
 entries that reproduce the styles' input/output handling (a plain tensor is this
 rank's local part; ``use_local_output`` hands back local tensors). Only the styles'
 public attributes are read; no communication happens here.

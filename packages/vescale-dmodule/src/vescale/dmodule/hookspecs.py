@@ -1,8 +1,8 @@
 """Hook specifications owned by vescale-dmodule.
 
 Added to the ``vescale`` plugin manager through ``vescale_addhooks`` by
-vescale-dmodule's own plugin module (:mod:`vescale.dmodule._plugin`, entry point
-``dmodule``). They are called once per :func:`vescale.dmodule.parallelize_module`
+vescale-dmodule's own plugin module (`vescale.dmodule._plugin`, entry point
+``dmodule``). They are called once per `vescale.dmodule.parallelize_module`
 call, never per step.
 """
 
@@ -29,7 +29,7 @@ def vescale_sharding_plan(
     """Return a sharding plan for ``model`` when the user gave none, or ``None``.
 
     vescale-dmodule answers ``trylast`` with a Megatron-style plan derived from
-    module names and types (see :mod:`vescale.dmodule._auto_plan`); a plugin that
+    module names and types (see `vescale.dmodule._auto_plan`); a plugin that
     knows a model family better answers first. Implementations may accept any
     subset of the arguments.
 
@@ -41,5 +41,5 @@ def vescale_sharding_plan(
             dim between blocks.
 
     Returns:
-        A plan in the format of :func:`vescale.dmodule.parallelize_module`, or ``None``.
+        A plan in the format of `vescale.dmodule.parallelize_module`, or ``None``.
     """

@@ -31,7 +31,7 @@ class MLP(nn.Module):
 
 @dataclasses.dataclass
 class GPTConfig:
-    """Sizes of :class:`GPT` (global sizes; nothing here is per rank)."""
+    """Sizes of `GPT` (global sizes; nothing here is per rank)."""
 
     vocab_size: int = 64
     block_size: int = 16

@@ -1,4 +1,4 @@
-"""Internals of :mod:`vescale.dtensor.collectives`: group resolution, handles, op names.
+"""Internals of `vescale.dtensor.collectives`: group resolution, handles, op names.
 
 Every collective is issued through torch's native functional collectives
 (``torch.ops._c10d_functional``), which run on gloo and NCCL alike and are
@@ -125,7 +125,7 @@ def divide_(t: torch.Tensor, n: int) -> torch.Tensor:
 
 
 class CollectiveHandle:
-    """A pending collective: :meth:`wait` blocks and returns the result.
+    """A pending collective: `wait` blocks and returns the result.
 
     Args:
         pending: Functional-collective outputs still in flight.
@@ -150,7 +150,7 @@ class CollectiveHandle:
         return self._result
 
     def is_completed(self) -> bool:
-        """Whether :meth:`wait` has already returned."""
+        """Whether `wait` has already returned."""
         return self._done
 
 

@@ -4,12 +4,12 @@ Every internal is probed by feature when this module is imported, never by versi
 string. One that is there and behaves as relied on is used ("native"); one that is
 missing or changed is replaced by a slower public path ("fallback") or, where none
 exists, by a clear error at the point of use ("missing"). Either way the package
-still imports, and one :class:`TorchInternalsWarning` names the internal.
-:func:`check_torch_internals` returns the report; the test suite compares it with
+still imports, and one `TorchInternalsWarning` names the internal.
+`check_torch_internals` returns the report; the test suite compares it with
 the one recorded for the torch under test, so a torch upgrade that moves an
 internal fails loudly instead of silently slowing down or misbehaving.
 
-:class:`TorchInternals` is shared: every vescale package that touches torch
+`TorchInternals` is shared: every vescale package that touches torch
 privates keeps its own instance in its own ``_compat.py``.
 """
 
@@ -91,7 +91,7 @@ class TorchInternals:
     * ``"fallback: <what is wrong>; <the slower path taken>"``;
     * ``"missing: <what is wrong>; <what raises>"``: no slower path exists.
 
-    A fallback or a missing internal warns once (:class:`TorchInternalsWarning`).
+    A fallback or a missing internal warns once (`TorchInternalsWarning`).
 
     Args:
         package: The distribution name, used in warnings (``"vescale-dtensor"``).
@@ -800,6 +800,13 @@ def keep_redistribution_plans_across_meshes() -> bool:
             _PLANS_BY_TASK[key] = found
         return found
 
+    def cache_clear() -> None:
+        # torch's own idiom for a changed plan choice (``_gen_transform_infos.cache_clear()``)
+        # forgets every plan, those kept by layout included
+        _PLANS_BY_TASK.clear()
+        by_layout.clear()
+
+    plans.cache_clear = cache_clear  # type: ignore[attr-defined]
     plans._vescale_by_layout = True  # type: ignore[attr-defined]
     tr._gen_transform_infos = plans
     return True

@@ -1,6 +1,6 @@
 """DTensors that carry plugin placements.
 
-Only a DTensor with at least one :class:`PluginPlacement` is a ``PluginDTensor``;
+Only a DTensor with at least one `PluginPlacement` is a ``PluginDTensor``;
 built-in-only DTensors stay torch's own objects on torch's own (C++) dispatch path.
 A ``PluginDTensor`` runs the op families its placements declare locally, and for
 every other op converts its plugin-placed operands to the placements' declared

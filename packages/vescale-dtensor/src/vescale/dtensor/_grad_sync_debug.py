@@ -32,7 +32,7 @@ def declare_replicated(param: torch.Tensor, mesh: DeviceMesh, mesh_dims: tuple[i
     """Declare a plain-tensor ``param`` a replica over ``mesh_dims`` of ``mesh``.
 
     Engines that keep replicated parameters as plain tensors (vescale DDP) call this
-    so that :func:`enable_gradient_sync_debug` checks their gradients like those of
+    so that `enable_gradient_sync_debug` checks their gradients like those of
     ``Replicate()`` DTensors.
 
     Raises:
@@ -70,7 +70,7 @@ _active: list[_State] = []
 
 
 class GradientSyncDebugHandle:
-    """Returned by :func:`enable_gradient_sync_debug`; ``remove()`` turns the check off."""
+    """Returned by `enable_gradient_sync_debug`; ``remove()`` turns the check off."""
 
     def __init__(self, state: _State):
         self._state = state
@@ -221,7 +221,7 @@ def enable_gradient_sync_debug(
     """Check after every backward that replicated gradients agree across ranks.
 
     For every DTensor parameter that is ``Replicate()`` on some mesh dim (and every
-    plain parameter declared a replica with :func:`declare_replicated`), a cheap
+    plain parameter declared a replica with `declare_replicated`), a cheap
     checksum of its gradient (sum, sum of squares and a position-weighted sum, in
     float64) is all-gathered over that mesh dim once per backward (one collective
     per mesh dim, for all parameters together) and compared; a one-element all-reduce

@@ -53,7 +53,7 @@ def distribute_tensor(
     """Distribute a full tensor over ``device_mesh`` with ``placements``.
 
     Works with torch's placements (this is then exactly
-    :func:`torch.distributed.tensor.distribute_tensor`) and with plugin placements.
+    `torch.distributed.tensor.distribute_tensor`) and with plugin placements.
 
     Args:
         tensor: The full tensor (same shape on every rank).
@@ -135,7 +135,7 @@ def from_local(
 ) -> DTensor:
     """Build a DTensor from each rank's local tensor (differentiable).
 
-    For built-in placements this is :meth:`torch.distributed.tensor.DTensor.from_local`.
+    For built-in placements this is `torch.distributed.tensor.DTensor.from_local`.
     With plugin placements and no ``shape``, the global shape is inferred by
     exchanging local shapes over each mesh dim (a small collective); the local
     tensor is always checked against the shape its placements imply.

@@ -8,9 +8,11 @@ storage. This module turns a rank's local tensor into boxes without communicatio
 Mesh dims apply in their application order (left to right, except that a ``Shard``
 applies before a plugin placement that would cut through its dim; see
 ``vescale.dtensor.application_order``). While walking them we keep a list of *regions*
-(global boxes) with the invariant::
+(global boxes) with the invariant:
 
-    local.reshape(-1) == cat([global[box].reshape(-1) for box in regions])
+```python
+local.reshape(-1) == cat([global[box].reshape(-1) for box in regions])
+```
 
 and, for every local dim, the global dim it indexes (``None`` once a plugin
 placement has flattened it). Each placement then narrows the regions:
@@ -24,7 +26,7 @@ placement has flattened it). Each placement then narrows the regions:
   last row, recursively per dim).
 
 A plugin placement tells us its data through
-:meth:`~vescale.dtensor.PluginPlacement.local_flat_ranges` (row-major element ranges of
+`local_flat_ranges` (row-major element ranges of
 its logical tensor, in local storage order). A placement that returns ``None`` is
 reported as unsupported (the caller then redistributes).
 """

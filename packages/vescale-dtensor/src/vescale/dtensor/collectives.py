@@ -4,7 +4,7 @@ Built only from what both backends support (measured on gloo, torch 2.13):
 ``all_gather_into_tensor`` into a 1-D buffer, ``reduce_scatter_tensor``,
 ``all_reduce`` and ``all_to_all_single`` with uneven splits. Everything goes
 through torch's functional collectives, so each call is visible to
-:class:`vescale.dtensor.debug.CommDebugMode` with its byte count.
+`vescale.dtensor.debug.CommDebugMode` with its byte count.
 
 Conventions:
 
@@ -15,7 +15,7 @@ Conventions:
   supports it (probed once per backend), otherwise SUM then divide (floor
   division for integer tensors).
 * Results are new tensors; inputs are never modified.
-* ``async_op=True`` returns a :class:`CollectiveHandle`; its ``wait()``
+* ``async_op=True`` returns a `CollectiveHandle`; its ``wait()``
   returns the result.
 * These functions are not differentiable (inputs are detached); use DTensor
   redistribution for autograd.
@@ -134,7 +134,7 @@ def all_reduce_coalesced(
     Args:
         tensors: Tensors of any shapes; the list must match across ranks.
         group: Group to reduce over.
-        op: Reduction, as for :func:`all_reduce`.
+        op: Reduction, as for `all_reduce`.
         async_op: Return a handle instead of the result.
 
     Returns:
@@ -353,7 +353,7 @@ def reduce_scatter_coalesced(
         tensors: Same shapes on every rank; each dim 0 divisible by the group
             size ``N``. Group rank ``i`` gets rows ``[i*a/N, (i+1)*a/N)``.
         group: Group to reduce over.
-        op: Reduction, as for :func:`all_reduce`.
+        op: Reduction, as for `all_reduce`.
         async_op: Return a handle instead of the result.
 
     Returns:

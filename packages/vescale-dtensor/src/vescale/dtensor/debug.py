@@ -1,7 +1,7 @@
 """``CommDebugMode``: torch's collective counter, plus the bytes each rank sends.
 
-:class:`CommDebugMode` subclasses
-:class:`torch.distributed.tensor.debug.CommDebugMode`, so ``get_total_counts()``
+`CommDebugMode` subclasses
+`torch.distributed.tensor.debug.CommDebugMode`, so ``get_total_counts()``
 and ``get_comm_counts()`` behave exactly as torch's (keys are the functional
 collective op packets, e.g. ``torch.ops.c10d_functional.all_gather_into_tensor``,
 or ``torch.ops.c10d.allreduce_`` for eager ``torch.distributed`` calls). It
@@ -25,7 +25,7 @@ reduce              ``bytes``
 Coalesced variants add up their tensors. This covers torch's functional
 collectives (what DTensor redistribution issues), the eager
 ``torch.distributed`` collectives (seen as ``c10d`` ops) and therefore
-everything in :mod:`vescale.dtensor.collectives`.
+everything in `vescale.dtensor.collectives`.
 
 ``visualize_sharding`` is torch's, re-exported for veScale programs (built-in
 placements only).
@@ -163,12 +163,12 @@ class CommDebugMode(_TorchCommDebugMode):
     """Count collectives (as torch does) and the bytes this rank sends.
 
     Example:
-        .. code-block:: python
-
-            with CommDebugMode() as comm:
-                dt.redistribute(mesh, [Replicate()])
-            comm.get_comm_counts()   # {c10d_functional.all_gather_into_tensor: 1}
-            comm.get_comm_bytes()    # {c10d_functional.all_gather_into_tensor: 3 * local_bytes}  (N = 4)
+        ```python
+        with CommDebugMode() as comm:
+            dt.redistribute(mesh, [Replicate()])
+        comm.get_comm_counts()  # {c10d_functional.all_gather_into_tensor: 1}
+        comm.get_comm_bytes()   # {c10d_functional.all_gather_into_tensor: 3 * local_bytes} (N = 4)
+        ```
     """
 
     def __init__(self) -> None:

@@ -1,16 +1,16 @@
 """``DeviceMesh``: torch's device mesh with input validation and self-initialisation.
 
-:class:`DeviceMesh` subclasses :class:`torch.distributed.device_mesh.DeviceMesh`,
+`DeviceMesh` subclasses `torch.distributed.device_mesh.DeviceMesh`,
 so it is accepted wherever torch expects a mesh (DTensor, FSDP2,
 ``parallelize_module``, DCP). On top of torch it
 
-* validates its input and raises :class:`ValueError` saying what was expected;
+* validates its input and raises `ValueError` saying what was expected;
 * initialises the default process group from the environment when none
   exists: gloo for ``"cpu"``, NCCL for ``"cuda"``, configured by the
   ``torchrun`` variables (``RANK``, ``WORLD_SIZE``, ``MASTER_ADDR``,
   ``MASTER_PORT``); without any of them, a single-process group (world size 1)
   is created so that scripts also run as plain ``python``;
-* applies a collective timeout (:func:`set_default_timeout`, environment
+* applies a collective timeout (`set_default_timeout`, environment
   variable ``VESCALE_COLLECTIVE_TIMEOUT``, default 300 s) to the process
   groups it creates (and, when the timeout is configured, to a default
   group the caller created); joining the default group it creates waits for
@@ -88,7 +88,7 @@ def _timeout_configured() -> bool:
 def get_default_timeout() -> float:
     """Return the collective timeout in seconds.
 
-    Order: the value given to :func:`set_default_timeout`, else the
+    Order: the value given to `set_default_timeout`, else the
     ``VESCALE_COLLECTIVE_TIMEOUT`` environment variable, else 300.
 
     Raises:
@@ -306,7 +306,7 @@ def _apply_timeout(mesh: _TorchDeviceMesh, default_group_too: bool) -> None:
 
 
 class DeviceMesh(_TorchDeviceMesh):
-    """A validated :class:`torch.distributed.device_mesh.DeviceMesh`.
+    """A validated `torch.distributed.device_mesh.DeviceMesh`.
 
     Args:
         device_type: ``"cpu"``, ``"cuda"`` or another torch device type (no index).
@@ -323,9 +323,9 @@ class DeviceMesh(_TorchDeviceMesh):
             meshes.
 
     Example:
-        .. code-block:: python
-
-            mesh = DeviceMesh("cpu", [[0, 1], [2, 3]], mesh_dim_names=("dp", "tp"))
+        ```python
+        mesh = DeviceMesh("cpu", [[0, 1], [2, 3]], mesh_dim_names=("dp", "tp"))
+        ```
     """
 
     def __init__(
@@ -364,7 +364,7 @@ def init_device_mesh(
     *,
     mesh_dim_names: Sequence[str] | None = None,
 ) -> DeviceMesh:
-    """Create a :class:`DeviceMesh` over the whole world, ranks laid out row-major.
+    """Create a `DeviceMesh` over the whole world, ranks laid out row-major.
 
     Initialises the default process group from the environment if needed.
 

@@ -46,7 +46,7 @@ class PluginPlacement(Placement):
     Subclass it as a ``@dataclass(frozen=True)`` (which gives ``__eq__`` and
     ``__hash__``), give it a unique ``PLACEMENT_NAME`` and implement the geometry
     below. Register the class through the ``vescale_register_placements`` hook.
-    Never subclass :class:`Shard` for a new placement: torch treats ``Shard``
+    Never subclass `Shard` for a new placement: torch treats ``Shard``
     subclasses as plain ``Shard``.
 
     A plugin placement on mesh dim ``i`` distributes the *logical tensor* of that mesh
@@ -55,7 +55,7 @@ class PluginPlacement(Placement):
 
     Attributes:
         PLACEMENT_NAME: Unique name used by checkpoints and configs.
-        LOCAL_OP_FAMILIES: Op families (see :data:`OP_FAMILIES`) that run on the local
+        LOCAL_OP_FAMILIES: Op families (see `OP_FAMILIES`) that run on the local
             shards without communication.
     """
 
@@ -126,7 +126,7 @@ class PluginPlacement(Placement):
         """Rebuild the full logical tensor on every rank of the mesh dim (a collective).
 
         This is the ``self -> Replicate()`` step. Use functional collectives or
-        :mod:`vescale.dtensor.collectives` so that ``CommDebugMode`` sees the traffic.
+        `vescale.dtensor.collectives` so that ``CommDebugMode`` sees the traffic.
         """
         raise NotImplementedError(f"{type(self).__qualname__} must implement unshard")
 
@@ -157,7 +157,7 @@ class PluginPlacement(Placement):
 
         In local storage order: the local tensor, flattened, is the concatenation of
         these ranges. Checkpointing uses it to describe a rank's data as boxes of the
-        global tensor with no communication (see :mod:`vescale.dtensor.chunks`).
+        global tensor with no communication (see `vescale.dtensor.chunks`).
         Return ``None`` (the default) if the local data is not a union of ranges;
         such tensors are saved after a redistribution to ``Replicate()``.
         """

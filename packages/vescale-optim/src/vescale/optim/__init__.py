@@ -1,10 +1,10 @@
 """vescale.optim: optimizers for parameters with any placements.
 
-- :class:`DistributedOptimizer`: ZeRO-1/2 sharding of optimizer state (and fp32
+- `DistributedOptimizer`: ZeRO-1/2 sharding of optimizer state (and fp32
   master weights) over a data-parallel mesh dim, for element-wise optimizers;
-- :func:`clip_grad_norm_`: gradient clipping over DTensor gradients with any mix of
+- `clip_grad_norm_`: gradient clipping over DTensor gradients with any mix of
   placements and meshes (each element counted once);
-- :class:`Muon`: Muon for sharded matrices (each matrix orthogonalized on one
+- `Muon`: Muon for sharded matrices (each matrix orthogonalized on one
   load-balanced root rank), AdamW for the rest.
 """
 

@@ -108,7 +108,7 @@ def get_total_norm(
     error_if_nonfinite: bool = False,
     foreach: bool | None = None,
 ) -> torch.Tensor:
-    """Total norm of tensors with any placements (see :func:`clip_grad_norm_`).
+    """Total norm of tensors with any placements (see `clip_grad_norm_`).
 
     Args:
         tensors: Plain tensors and DTensors on any meshes.
@@ -170,7 +170,7 @@ def clip_grad_norm_(
 ) -> torch.Tensor:
     """Clip the gradient norm of parameters whose grads have any placements.
 
-    A drop-in for :func:`torch.nn.utils.clip_grad_norm_` that also accepts DTensor
+    A drop-in for `torch.nn.utils.clip_grad_norm_` that also accepts DTensor
     gradients with any mix of placements (``Replicate``, ``Shard``, ``Partial``,
     ``RaggedShard`` and other plugin placements) on any number of meshes, and plain
     tensors. Every element of every gradient is counted exactly once:

@@ -4,7 +4,7 @@ Probed by feature when imported (see ``vescale.dtensor._compat.TorchInternals``)
 ``torch._foreach_mul_`` (gradient clipping scales every gradient with one kernel per
 device and dtype) and DTensor's local tensor. One that is missing or behaves
 differently is replaced by a public (slower) equivalent, with one
-``TorchInternalsWarning``; :func:`check_torch_internals` reports which.
+``TorchInternalsWarning``; `check_torch_internals` reports which.
 """
 
 from __future__ import annotations

@@ -89,7 +89,7 @@ class Muon(torch.optim.Optimizer):
     """Muon for sharded (DTensor) parameters, with AdamW for the non-matrix ones.
 
     Matrix parameters (2-D, not matched by ``adamw_names``) get the update of
-    :class:`torch.optim.Muon`: momentum ``B <- mu B + (1 - mu) g`` (as ``lerp``),
+    `torch.optim.Muon`: momentum ``B <- mu B + (1 - mu) g`` (as ``lerp``),
     nesterov ``u = lerp(g, B, mu)``, Newton–Schulz orthogonalization of ``u`` in bf16,
     decoupled weight decay, and the ``adjust_lr_fn`` scale. Newton–Schulz needs the
     whole matrix, so for a DTensor parameter each matrix is given one *root* rank

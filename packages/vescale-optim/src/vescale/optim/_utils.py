@@ -27,7 +27,7 @@ def is_sharded(p: Placement) -> bool:
     """True if every element lives on exactly one rank of the mesh dim.
 
     ``Shard`` (and torch's strided shard) and every plugin placement
-    (:class:`vescale.dtensor.PluginPlacement`) count as sharded. The assumption for
+    (`vescale.dtensor.PluginPlacement`) count as sharded. The assumption for
     plugin placements is that they partition the logical tensor (each element on
     exactly one rank), which holds for ``RaggedShard``; a plugin placement that
     replicates elements would be over-counted by the norm.

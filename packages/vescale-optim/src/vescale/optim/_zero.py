@@ -243,9 +243,9 @@ class DistributedOptimizer(torch.optim.Optimizer):
             end of ``step()`` and wait for each bucket in a forward pre-hook of the
             modules owning its parameters (needs the model). ``state_dict()``,
             ``load_state_dict()``, the next ``step()``, the model's ``state_dict()`` /
-            ``load_state_dict()`` and :meth:`wait_param_gather` wait too; any other read
+            ``load_state_dict()`` and `wait_param_gather` wait too; any other read
             of the parameters before the next forward must call
-            :meth:`wait_param_gather` first.
+            `wait_param_gather` first.
         bucket_cap_mb: Largest bucket in MiB (a bigger parameter gets a bucket of its
             own). ``None``: one bucket per dtype, or ``DEFAULT_OVERLAP_BUCKET_MB`` with
             ``overlap_param_gather``.
@@ -254,7 +254,7 @@ class DistributedOptimizer(torch.optim.Optimizer):
     Attributes:
         param_gather_waits: ``Counter`` of the bucket all-gathers completed, by where
             they were waited for: ``"forward"`` (a forward pre-hook), ``"step"``,
-            ``"explicit"`` (:meth:`wait_param_gather`), ``"state_dict"``,
+            ``"explicit"`` (`wait_param_gather`), ``"state_dict"``,
             ``"load_state_dict"``, ``"model_state_dict"``, ``"model_load_state_dict"``.
 
     Raises:
@@ -495,7 +495,7 @@ class DistributedOptimizer(torch.optim.Optimizer):
 
     @property
     def param_names(self) -> list[str]:
-        """The managed parameters' names (the keys of :meth:`state_dict`), in order."""
+        """The managed parameters' names (the keys of `state_dict`), in order."""
         return [i.name for i in self._infos]
 
     @property
@@ -767,7 +767,7 @@ class DistributedOptimizer(torch.optim.Optimizer):
         dp rank owns. ``full_tensor()`` gives the unsharded state. Scalars (``step``)
         stay plain. With ``master_dtype`` the master weights are saved as
         ``"master_param"``. Parameters without state yet (never stepped) get the state
-        a first step creates (zeros, ``step`` 0; see :meth:`_fresh_state`), so a fresh
+        a first step creates (zeros, ``step`` 0; see `_fresh_state`), so a fresh
         optimizer's state dict is a complete load target.
 
         Waits for pending parameter all-gathers first.
@@ -823,9 +823,9 @@ class DistributedOptimizer(torch.optim.Optimizer):
         return None
 
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
-        """Load a state dict from :meth:`state_dict` (or a torch optimizer's), on any dp size.
+        """Load a state dict from `state_dict` (or a torch optimizer's), on any dp size.
 
-        ``state`` may be keyed by parameter name (as :meth:`state_dict` and
+        ``state`` may be keyed by parameter name (as `state_dict` and
         ``get_optimizer_state_dict`` write it) or by index (as
         ``torch.optim.Optimizer.state_dict``). Sharded states may be DTensors in this
         optimizer's layout (loaded without communication), DTensors in any other layout

@@ -6,7 +6,7 @@ Probed by feature when imported (see ``vescale.dtensor._compat.TorchInternals``)
 across torch releases and torch's shard-size rule come from vescale-dtensor's
 ``_compat`` (their entries here repeat what it found). One that is missing or
 behaves differently is replaced by a public (slower) equivalent, with one
-``TorchInternalsWarning``; :func:`check_torch_internals` reports which (the test
+``TorchInternalsWarning``; `check_torch_internals` reports which (the test
 suite compares it with the report recorded for the torch under test).
 """
 

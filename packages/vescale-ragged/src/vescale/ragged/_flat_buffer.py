@@ -1,22 +1,22 @@
 """``FlatBuffer``: one contiguous storage per dtype for a rank's shard of many parameters.
 
-Given a :class:`~vescale.ragged.FlatLayout` and a mesh dim, a ``FlatBuffer`` owns the
+Given a `FlatLayout` and a mesh dim, a ``FlatBuffer`` owns the
 rank's slice of the layout's global buffer. Every parameter's local tensor is a view
-of that slice, and :meth:`FlatBuffer.dtensor` wraps it as a DTensor whose placement
+of that slice, and `FlatBuffer.dtensor` wraps it as a DTensor whose placement
 on the mesh dim is the parameter's ``RaggedShard`` (``Replicate()`` on the other
 dims). Collectives move the whole buffer at once, straight between the flat
 buffers, with no copy-in or copy-out:
 
-* :meth:`FlatBuffer.all_gather` gathers every rank's slice into an unsharded buffer
-  whose per-parameter views (:meth:`FlatBuffer.full_views`) are the full parameters;
-* :meth:`FlatBuffer.reduce_scatter` reduces a flat gradient buffer (same layout)
+* `FlatBuffer.all_gather` gathers every rank's slice into an unsharded buffer
+  whose per-parameter views (`FlatBuffer.full_views`) are the full parameters;
+* `FlatBuffer.reduce_scatter` reduces a flat gradient buffer (same layout)
   into the rank's gradient slice.
 
 With an *even* layout (the planner's default) each is one even collective. With a
 weighted layout (uneven slices; gloo has no uneven all-gather) the gather is one
 broadcast per rank straight into the destination's views and the reduce-scatter
 is one uneven ``reduce_scatter`` over views; only the rank's own slice is copied
-locally in the gather, and :attr:`FlatBuffer.extra_copy_bytes` counts it.
+locally in the gather, and `FlatBuffer.extra_copy_bytes` counts it.
 """
 
 from __future__ import annotations
@@ -40,7 +40,7 @@ class FlatBuffer:
     """The rank's shard of one dtype's flat buffer, on one mesh dim.
 
     Args:
-        layout: The plan (from :func:`~vescale.ragged.plan_flat_buffers`).
+        layout: The plan (from `plan_flat_buffers`).
         mesh: Device mesh; the buffer is sharded over ``mesh_dim`` and replicated
             over the other dims.
         mesh_dim: Index or name of the sharded mesh dim.
@@ -118,21 +118,21 @@ class FlatBuffer:
         return self._placements[name]
 
     def local_view(self, name: str, storage: torch.Tensor | None = None) -> torch.Tensor:
-        """``name``'s local tensor: a view of ``storage`` (default: :attr:`local`).
+        """``name``'s local tensor: a view of ``storage`` (default: `local`).
 
         ``storage`` may be any slice-shaped tensor with this layout, e.g. a gradient
-        shard from :meth:`reduce_scatter`.
+        shard from `reduce_scatter`.
         """
         storage = self.local if storage is None else storage
         a, b = self.layout.local_range(name, self.rank)
         return storage[a:b].view(self.layout.local_shape(name, self.rank))
 
     def local_views(self, storage: torch.Tensor | None = None) -> dict[str, torch.Tensor]:
-        """:meth:`local_view` of every parameter, in buffer order."""
+        """`local_view` of every parameter, in buffer order."""
         return {name: self.local_view(name, storage) for name in self.layout.names}
 
     def dtensor(self, name: str, *, requires_grad: bool = False) -> DTensor:
-        """``name`` as a DTensor whose local tensor is a view of :attr:`local`.
+        """``name`` as a DTensor whose local tensor is a view of `local`.
 
         The result is a leaf; with ``requires_grad=True`` it can be wrapped in
         ``torch.nn.Parameter``.
@@ -148,7 +148,7 @@ class FlatBuffer:
         return dt
 
     def dtensors(self, *, requires_grad: bool = False) -> dict[str, DTensor]:
-        """:meth:`dtensor` of every parameter, in buffer order."""
+        """`dtensor` of every parameter, in buffer order."""
         return {n: self.dtensor(n, requires_grad=requires_grad) for n in self.layout.names}
 
     @torch.no_grad()
@@ -168,7 +168,7 @@ class FlatBuffer:
 
     # ------------------------------------------------------------------ unsharded
     def new_full_buffer(self, *, zero: bool = False) -> torch.Tensor:
-        """A new unsharded (global) buffer of :attr:`FlatLayout.numel` elements."""
+        """A new unsharded (global) buffer of `FlatLayout.numel` elements."""
         make = torch.zeros if zero else torch.empty
         return make(self.layout.numel, dtype=self.layout.dtype, device=self.local.device)
 
@@ -194,11 +194,11 @@ class FlatBuffer:
         """Gather every rank's slice into an unsharded buffer (no copy-in/copy-out).
 
         Args:
-            out: Destination unsharded buffer (see :meth:`new_full_buffer`); a new
-                one when ``None`` (on one rank: :attr:`local` itself).
+            out: Destination unsharded buffer (see `new_full_buffer`); a new
+                one when ``None`` (on one rank: `local` itself).
 
         Returns:
-            The unsharded buffer; :meth:`full_views` gives the full parameters.
+            The unsharded buffer; `full_views` gives the full parameters.
         """
         if self.layout.num_ranks == 1 and out is None:
             return self.local  # one rank: the shard is the whole buffer
@@ -232,14 +232,14 @@ class FlatBuffer:
 
         Args:
             grad_flat: Unsharded gradient buffer with this layout (e.g. a buffer from
-                :meth:`new_full_buffer` whose :meth:`full_views` were the ``.grad`` of
+                `new_full_buffer` whose `full_views` were the ``.grad`` of
                 the full parameters).
             out: Destination slice (1-D, the rank's slice length); new when ``None``
                 (on one rank: ``grad_flat`` itself).
             op: ``"sum"`` or ``"avg"``.
 
         Returns:
-            The reduced slice; :meth:`local_views` with it as ``storage`` gives the
+            The reduced slice; `local_views` with it as ``storage`` gives the
             per-parameter gradient shards.
         """
         self._check_full(grad_flat, "grad_flat")

@@ -1,10 +1,10 @@
 """Pack kernels: copy many tensors into one contiguous buffer and back.
 
-A :class:`PackKernels` object is chosen per device type through the
-``vescale_pack_kernels`` hook (see :mod:`vescale.ragged.hookspecs`): the torch
-implementation (:class:`TorchPackKernels`, any device) answers ``trylast``; the
-Triton implementation (:mod:`vescale.ragged._triton_pack`, CUDA) answers above it
-when Triton is installed. :func:`get_pack_kernels` asks once per device type and
+A `PackKernels` object is chosen per device type through the
+``vescale_pack_kernels`` hook (see `vescale.ragged.hookspecs`): the torch
+implementation (`TorchPackKernels`, any device) answers ``trylast``; the
+Triton implementation (`vescale.ragged._triton_pack`, CUDA) answers above it
+when Triton is installed. `get_pack_kernels` asks once per device type and
 caches the answer.
 """
 
@@ -61,7 +61,7 @@ class PackKernels:
         Args:
             tensors: Tensors on this device (any shapes, strides and dtypes).
             out: Destination, 1-D and contiguous, with at least
-                :func:`packed_numel` elements (the rest is left untouched). Its
+                `packed_numel` elements (the rest is left untouched). Its
                 dtype is the buffer's dtype. A new buffer when ``None``.
             dtype: Dtype of a new buffer (``out=None``); default: the first
                 tensor's dtype. Must match ``out.dtype`` when both are given.
@@ -75,7 +75,7 @@ class PackKernels:
         """Copy consecutive pieces of the 1-D ``buffer`` into ``tensors`` (in place).
 
         Args:
-            buffer: 1-D contiguous buffer with at least :func:`packed_numel` elements.
+            buffer: 1-D contiguous buffer with at least `packed_numel` elements.
             tensors: Destinations; each receives its ``numel()`` elements, cast to its
                 dtype.
         """
@@ -263,7 +263,7 @@ def _ensure_registered(pm) -> None:
     """Register this package's pack hooks if nothing provides them yet.
 
     The ``vescale`` entry point (``vescale.ragged._plugin``) normally brings them in;
-    this keeps :func:`get_pack_kernels` working when it does not (yet) re-export them.
+    this keeps `get_pack_kernels` working when it does not (yet) re-export them.
     """
     hook = getattr(pm.hook, "vescale_pack_kernels", None)
     if hook is not None and hook.get_hookimpls():

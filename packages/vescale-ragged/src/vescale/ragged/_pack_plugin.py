@@ -1,7 +1,7 @@
 """vescale-ragged's pack-kernel hook implementations.
 
 Re-exported by ``vescale.ragged._plugin`` (the entry-point module), or registered
-directly by :func:`vescale.ragged.get_pack_kernels` when they are not.
+directly by `vescale.ragged.get_pack_kernels` when they are not.
 """
 
 from __future__ import annotations

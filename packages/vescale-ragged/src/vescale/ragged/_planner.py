@@ -5,7 +5,7 @@ parameters, in the order given, each parameter's row-major storage contiguous.
 The buffer is cut into ``N`` contiguous rank slices. Every cut either falls
 between two parameters or inside one at a *cut point* of its granularity, so a
 rank's shard of a parameter is one contiguous piece of that rank's slice, and the
-parameter's placement on the mesh dim is a :class:`~vescale.ragged.RaggedShard`.
+parameter's placement on the mesh dim is a `RaggedShard`.
 
 Two layouts:
 
@@ -16,8 +16,8 @@ Two layouts:
   parameter stays a contiguous view of the gathered buffer. With ``G`` the buffer's
   granularity (its largest unit, in elements) the padding is at most
   ``(N - 1) * G + N * (L - 1)``, ``L`` the lcm of the units of the parameters that can
-  hold two cuts (1 if none; see :func:`_layout_even_cuts`), so ``(N - 1) * G`` when
-  ``L = 1``. Two planners (:func:`_layout_even`): *cut placement* puts the cuts at the
+  hold two cuts (1 if none; see `_layout_even_cuts`), so ``(N - 1) * G`` when
+  ``L = 1``. Two planners (`_layout_even`): *cut placement* puts the cuts at the
   unit boundaries nearest an even split (fast; balanced while slices hold many units);
   when it ends above ``1 + 1/1000`` ``max / min`` or above ``(N - 1) * G`` padding,
   *padding placement* also runs: it finds the least ``S`` any even layout of the
@@ -25,7 +25,7 @@ Two layouts:
   parameter) and spreads the padding over the slices. The layout within
   ``(N - 1) * G`` padding wins, then the better ``max / min``, then the shorter slices.
   With ``order="auto"`` the planner also tries other orders of each buffer's
-  parameters (:func:`_candidate_orders`).
+  parameters (`_candidate_orders`).
 * **weighted** (``weights`` not all equal): rank ``r`` holds about
   ``weights[r] / sum(weights)`` of the data; no padding at all. Slices have
   different lengths, so gathering them takes one broadcast per rank.
@@ -104,7 +104,7 @@ class ParamSpec:
 
 @dataclass(frozen=True)
 class ParamSlot:
-    """Where one parameter lives in a :class:`FlatLayout`.
+    """Where one parameter lives in a `FlatLayout`.
 
     Attributes:
         name: Parameter name.
@@ -205,7 +205,7 @@ class FlatLayout:
         return [n * self.itemsize for n in self.rank_data_numel()]
 
     def imbalance(self) -> float:
-        """``max / min`` of :meth:`rank_bytes` (``inf`` if a rank holds nothing)."""
+        """``max / min`` of `rank_bytes` (``inf`` if a rank holds nothing)."""
         loads = self.rank_data_numel()
         lo = min(loads)
         return math.inf if lo == 0 else max(loads) / lo
@@ -323,7 +323,7 @@ def plan_flat_buffers(
     """Plan one flat buffer per dtype for ``params`` sharded over ``num_ranks`` ranks.
 
     Args:
-        params: :class:`ParamSpec` objects or ``(name, shape, dtype[, granularity])``
+        params: `ParamSpec` objects or ``(name, shape, dtype[, granularity])``
             tuples, in the order the buffers should hold them.
         num_ranks: Size of the mesh dim the buffers are sharded over.
         weights: Optional relative share of each rank. Equal or absent weights give
@@ -333,10 +333,10 @@ def plan_flat_buffers(
             lets the planner reorder each even buffer's parameters (it tries the given
             order, a bridged order and three sorted ones, and keeps the layout within
             ``(N - 1) * G`` padding, then the best ``max / min`` rank load, then the
-            shortest slices). :attr:`FlatLayout.params` is in buffer order.
+            shortest slices). `FlatLayout.params` is in buffer order.
 
     Returns:
-        A :class:`FlatLayout` per dtype, in order of first appearance.
+        A `FlatLayout` per dtype, in order of first appearance.
 
     Raises:
         TypeError: A spec, shape, dtype or granularity has the wrong type (the
@@ -383,7 +383,7 @@ def _is_tight(size: int, step: int) -> bool:
 def _candidate_orders(sizes: list[int], steps: list[int], n: int) -> list[list[int]]:
     """Orders tried by ``order="auto"`` (the given one first).
 
-    The bridged order (:func:`_bridged_order`, a fine parameter across every cut);
+    The bridged order (`_bridged_order`, a fine parameter across every cut);
     coarse units first, by unit then size (one-element-unit parameters first or last),
     and by size alone: parameters of one unit then sit on that unit's grid from the
     buffer start, so fewer of them need padding to hold a cut.
@@ -813,7 +813,7 @@ def _slice_length(grid: _Grid, n: int) -> tuple[int, list[int]]:
     ``S`` is searched upward from ``ceil(D / N)``; each failure of the furthest-right
     placement says how far to move: by the shortfall over ``N`` when the last slice is
     too long, to the next multiple of a parameter's step when that parameter must hold
-    two cuts. The search stops at ``S1``, which always fits (see :func:`_layout_even_cuts`).
+    two cuts. The search stops at ``S1``, which always fits (see `_layout_even_cuts`).
     """
     d = grid.total
     g = max(grid.steps)
@@ -847,13 +847,13 @@ def _layout_even_cuts(
     """Offsets and rank ranges of the rank-padded layout (all slices of length ``S``).
 
     The plan is made on the data alone (positions ``0..D``, no padding): choose ``S``
-    and cuts ``0 = c0 <= c1 <= ... <= cN = D`` at boundaries (see :class:`_Grid`) with
+    and cuts ``0 = c0 <= c1 <= ... <= cN = D`` at boundaries (see `_Grid`) with
     every slice ``[c_r, c_r+1]`` holding ``d_r <= S`` elements and, when ``d_r < S``, a
     parameter boundary where its ``S - d_r`` padding elements go. The buffer is then the
     data with that padding inserted: rank ``r``'s slice is ``[r * S, (r + 1) * S)`` and
     the padding is ``N * S - D``, set by ``S`` alone.
 
-    ``S`` (:func:`_slice_length`): let ``G`` be the largest step of the buffer,
+    ``S`` (`_slice_length`): let ``G`` be the largest step of the buffer,
     ``S0 = ceil((D + (N - 1) * (G - 1)) / N)``, ``L`` the lcm of the steps of the
     parameters longer than ``S0`` (1 if none) and ``S1`` the first multiple of ``L``
     ``>= S0``. With ``S1`` the furthest-right cuts always fit: every parameter that can
@@ -862,7 +862,7 @@ def _layout_even_cuts(
     i.e. ``(N - 1) * G`` when ``L = 1``; the search usually finds a smaller ``S``.
 
     Cuts for that ``S``: the forward and backward balanced placements
-    (:func:`_balanced`), the one with the better ``max / min`` load, else the
+    (`_balanced`), the one with the better ``max / min`` load, else the
     furthest-right cuts.
     """
     grid = _Grid(sizes, steps)
@@ -1017,8 +1017,8 @@ class _Even:
         ``S`` runs upward from ``ceil(D / N)`` over the multiples of ``F``, the lcm of
         the units of the parameters longer than ``2 * S1`` (they hold two cuts at any
         start, so ``S`` must be a multiple of their unit). ``S1`` (see
-        :func:`_layout_even_pads`) always fits, so the search ends there. Past
-        :attr:`SEARCH_BUDGET` it skips ahead by the missing padding over ``N`` (then
+        `_layout_even_pads`) always fits, so the search ends there. Past
+        `SEARCH_BUDGET` it skips ahead by the missing padding over ``N`` (then
         the ``S`` found may not be the least; ``exact`` is False).
         """
         n, d = self.n, self.d
@@ -1147,7 +1147,7 @@ def _layout_even_pads(
 ) -> tuple[list[int], list[tuple[int, int]]]:
     """Offsets and rank ranges of the rank-padded layout (all slices of length ``S``).
 
-    ``S`` (:meth:`_Even.slice_length`) is the least slice length any even layout of
+    ``S`` (`_Even.slice_length`) is the least slice length any even layout of
     these parameters, in this order, can have, so the padding ``N * S - D`` is the least
     possible (for very large buffers the exhaustive search may end early; then ``S``
     still satisfies the bound below). ``S <= S1``: with ``G`` the largest unit,
@@ -1252,9 +1252,9 @@ def _layout_even(
 ) -> tuple[list[int], list[tuple[int, int]]]:
     """Offsets and rank ranges of the rank-padded layout (all slices of length ``S``).
 
-    Two planners (see the module notes): cut placement (:func:`_layout_even_cuts`,
+    Two planners (see the module notes): cut placement (`_layout_even_cuts`,
     fast, balances well while slices hold many units) and padding placement
-    (:func:`_layout_even_pads`: the least ``S``, and every rank loaded when coarse
+    (`_layout_even_pads`: the least ``S``, and every rank loaded when coarse
     units make cut placement give up). The second runs only when the first ends above
     ``1 + 1/1000`` ``max / min`` or above ``(N - 1) * G`` padding; then the layout
     within that padding wins, then the better ``max / min``, then the shorter slices.
@@ -1307,7 +1307,7 @@ def layouts_from_tensors(
     weights: Sequence[float] | None = None,
     order: str = "given",
 ) -> dict[torch.dtype, FlatLayout]:
-    """:func:`plan_flat_buffers` for named tensors (e.g. ``model.named_parameters()``).
+    """`plan_flat_buffers` for named tensors (e.g. ``model.named_parameters()``).
 
     Args:
         named: ``name -> tensor`` pairs.
@@ -1315,7 +1315,7 @@ def layouts_from_tensors(
         granularity: One granularity for all, or a ``name -> granularity`` mapping
             (missing names get ``"element"``).
         weights: Optional per-rank weights.
-        order: ``"given"`` or ``"auto"`` (see :func:`plan_flat_buffers`).
+        order: ``"given"`` or ``"auto"`` (see `plan_flat_buffers`).
     """
     items = named.items() if isinstance(named, Mapping) else named
     specs = []

@@ -2,7 +2,7 @@
 
 Added to the ``vescale`` plugin manager through ``vescale_addhooks`` by
 vescale-ragged's own plugin module. Answers are asked once per device type and
-cached (:func:`vescale.ragged.get_pack_kernels`).
+cached (`vescale.ragged.get_pack_kernels`).
 """
 
 from __future__ import annotations
@@ -29,5 +29,5 @@ def vescale_pack_kernels(device_type: str) -> PackKernels | None:
         device_type: ``torch.device.type`` of the tensors (``"cpu"``, ``"cuda"``, ...).
 
     Returns:
-        A :class:`vescale.ragged.PackKernels` or ``None``.
+        A `vescale.ragged.PackKernels` or ``None``.
     """

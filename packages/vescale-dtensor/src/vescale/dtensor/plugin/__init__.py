@@ -1,11 +1,13 @@
 """The vescale plugin system (pluggy project ``"vescale"``, entry-point group ``"vescale"``).
 
-Third-party packages declare::
+Third-party packages declare:
 
-    [project.entry-points.vescale]
-    myplugin = "mypackage.vescale_plugin"
+```
+[project.entry-points.vescale]
+myplugin = "mypackage.vescale_plugin"
+```
 
-and implement hooks in that module with :data:`hookimpl`.
+and implement hooks in that module with `hookimpl`.
 """
 
 from vescale.dtensor.plugin.hookspecs import PROJECT_NAME, hookimpl, hookspec

@@ -39,7 +39,7 @@ def vescale_addhooks(pluginmanager: pluggy.PluginManager) -> None:
 def vescale_register_placements() -> type[Placement] | list[type[Placement]]:
     """Return the placement classes a plugin contributes.
 
-    Each class must subclass :class:`vescale.dtensor.PluginPlacement` (or be one of
+    Each class must subclass `vescale.dtensor.PluginPlacement` (or be one of
     torch's built-in placements, registered by vescale-dtensor itself) and carry a
     unique ``PLACEMENT_NAME``. Checkpoints and configs refer to placements by that
     name plus their dataclass fields.
@@ -62,5 +62,5 @@ def vescale_redistribute_step(src: Placement, dst: Placement) -> RedistributeSte
         dst: Placement wanted on that mesh dimension.
 
     Returns:
-        A :class:`vescale.dtensor.RedistributeStep` or ``None``.
+        A `vescale.dtensor.RedistributeStep` or ``None``.
     """

@@ -132,7 +132,7 @@ def register_plugin(plugin: Any, name: str | None = None) -> str:
 
 
 def unregister_plugin(plugin: Any = None, name: str | None = None) -> None:
-    """Unregister a plugin registered with :func:`register_plugin`."""
+    """Unregister a plugin registered with `register_plugin`."""
     pm = get_plugin_manager()
     with _lock:
         pm.unregister(plugin, name=name)

@@ -15,23 +15,23 @@ Before every body, each rank calls ``torch.manual_seed(0)`` (thread mode: once,
 since the RNG is shared). After the body, every rank runs ``dist.barrier()``,
 which turns ranks that issued different collectives into a failure rather
 than silent corruption of the next test. Process groups a body creates (for
-example a :class:`DeviceMesh`'s dimension groups) are destroyed afterwards.
+example a `DeviceMesh`'s dimension groups) are destroyed afterwards.
 
 Example:
-    .. code-block:: python
+    ```python
+    import pytest
+    import torch
+    import torch.distributed as dist
+    from vescale.dtensor.testing import distributed
 
-        import pytest
-        import torch
-        import torch.distributed as dist
-        from vescale.dtensor.testing import distributed
 
-
-        @pytest.mark.parametrize("n", [1, 3])
-        @distributed(4)
-        def test_sum(n):
-            t = torch.full((n,), float(dist.get_rank()))
-            dist.all_reduce(t)
-            assert t.tolist() == [6.0] * n
+    @pytest.mark.parametrize("n", [1, 3])
+    @distributed(4)
+    def test_sum(n):
+        t = torch.full((n,), float(dist.get_rank()))
+        dist.all_reduce(t)
+        assert t.tolist() == [6.0] * n
+    ```
 """
 
 from __future__ import annotations
@@ -67,7 +67,7 @@ class RankFailure(AssertionError):
     for ranks that did not finish, says so.
 
     Attributes:
-        outcomes: One :class:`~vescale.dtensor.testing._report.RankOutcome` per rank.
+        outcomes: One `RankOutcome` per rank.
     """
 
     def __init__(self, message: str, outcomes: list[RankOutcome]) -> None:
@@ -124,7 +124,7 @@ def run_on_ranks(
     Args:
         fn: The body. In process mode it must be a module-level function of an
             importable module or of a file (test files without ``__init__.py``
-            are fine); a :func:`distributed` wrapper is unwrapped.
+            are fine); a `distributed` wrapper is unwrapped.
         world_size: Number of ranks.
         *args: Positional arguments (picklable in process mode).
         timeout: Seconds before unfinished ranks count as hung.
@@ -152,7 +152,7 @@ def distributed(
     and sends the argument values, which must be picklable in process mode, to
     every rank. Return values are ignored; any rank that raises, or does not
     finish within ``timeout`` seconds, fails the test with a
-    :class:`RankFailure` (an ``AssertionError``) naming the ranks with their
+    `RankFailure` (an ``AssertionError``) naming the ranks with their
     tracebacks.
 
     Args:

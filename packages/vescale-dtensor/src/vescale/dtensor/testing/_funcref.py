@@ -2,8 +2,8 @@
 
 Test modules usually live in ``tests/`` folders without ``__init__.py`` and are
 imported by pytest under names that a fresh interpreter cannot import. A
-:class:`FuncRef` therefore records the defining file as well as the module name,
-and :func:`resolve` imports the module by name only when that name resolves to
+`FuncRef` therefore records the defining file as well as the module name,
+and `resolve` imports the module by name only when that name resolves to
 the same file; otherwise it loads the file under a private module name.
 """
 
@@ -21,7 +21,7 @@ from typing import Any
 
 __all__ = ["ORIGINAL_ATTR", "FuncRef", "make_ref", "resolve", "unwrap"]
 
-#: Attribute under which :func:`vescale.dtensor.testing.distributed` stores the
+#: Attribute under which `vescale.dtensor.testing.distributed` stores the
 #: undecorated test function on its wrapper.
 ORIGINAL_ATTR = "__vescale_distributed_original__"
 
@@ -49,7 +49,7 @@ def unwrap(fn: Callable[..., Any]) -> Callable[..., Any]:
 
 
 def make_ref(fn: Callable[..., Any]) -> FuncRef:
-    """Build a :class:`FuncRef` for ``fn``.
+    """Build a `FuncRef` for ``fn``.
 
     Args:
         fn: A module-level function (or a ``distributed`` wrapper of one).
@@ -154,7 +154,7 @@ def _import_module(ref: FuncRef) -> ModuleType:
 
 
 def resolve(ref: FuncRef) -> Callable[..., Any]:
-    """Import the function a :class:`FuncRef` points to and return it undecorated."""
+    """Import the function a `FuncRef` points to and return it undecorated."""
     obj: Any = _import_module(ref)
     for part in ref.qualname.split("."):
         obj = getattr(obj, part)

@@ -396,7 +396,7 @@ def get_pool(world_size: int) -> ProcessPool:
 
 
 def shutdown_pools() -> None:
-    """Stop every worker pool of this process (registered with :mod:`atexit`)."""
+    """Stop every worker pool of this process (registered with `atexit`)."""
     pools = list(_POOLS.values())
     for pool in pools:  # all pools wind down in parallel
         if pool.alive:

@@ -1,6 +1,6 @@
 """Small example plugin placements for tests (registered per test with ``register_plugin``).
 
-They double as minimal examples of the :class:`~vescale.dtensor.PluginPlacement` contract.
+They double as minimal examples of the `PluginPlacement` contract.
 """
 
 from __future__ import annotations
