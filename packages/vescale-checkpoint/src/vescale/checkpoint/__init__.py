@@ -29,6 +29,7 @@ from vescale.checkpoint._api import (
 )
 from vescale.checkpoint._chunked import ChunkedTensor
 from vescale.checkpoint._export import export
+from vescale.checkpoint._hf import HFLoadResult, load_hf
 from vescale.checkpoint._storage import (
     CheckpointCorruptError,
     CheckpointError,
@@ -46,6 +47,8 @@ __all__ = [
     "save",
     "load",
     "export",
+    "load_hf",
+    "HFLoadResult",
     "wait_pending",
     "free_staging_buffers",
     "SaveHandle",
