@@ -330,17 +330,28 @@ class FSDPEngine(SyncToggle):
             if not mine:
                 continue
             named = [(paths[id(p)][0][2], p) for p in mine]
-            # order="auto": the planner may reorder a group's buffer (same layout as the
-            # given order for "element" granularity; less padding for coarse units)
-            layouts = layouts_from_tensors(
-                [(n, local_tensor(p)) for n, p in named],
-                self.world,
-                granularity=granularity,
-                order="auto",
-            )
+            # Frozen and trainable parameters get separate buffers: a backward then
+            # reduce-scatters the trainable buffer only (LoRA: the adapters, not the
+            # frozen base weights, whose buffer has no gradient to reduce).
+            # order="auto": the planner may reorder a buffer (same layout as the given
+            # order for "element" granularity; less padding for coarse units)
+            layouts = [
+                item
+                for subset in (
+                    [(n, p) for n, p in named if p.requires_grad],
+                    [(n, p) for n, p in named if not p.requires_grad],
+                )
+                if subset
+                for item in layouts_from_tensors(
+                    [(n, local_tensor(p)) for n, p in subset],
+                    self.world,
+                    granularity=granularity,
+                    order="auto",
+                ).items()
+            ]
             by_name = dict(named)
             bufs = []
-            for dtype, layout in layouts.items():
+            for dtype, layout in layouts:
                 start, stop = layout.rank_ranges[rank]
                 if offload_device is not None:
                     # the shard (and the optimizer state made from it) on the offload device
