@@ -19,6 +19,8 @@ from vescale.dtensor.testing import distributed, expected_torch_internals
 NATIVE = [
     "torch.distributed.tensor._dtensor_spec.DTensorSpec",
     "DTensor._local_tensor",
+    "DTensor._spec",
+    "torch.utils._pytree",
     "torch.autograd.Variable._execution_engine.queue_callback",
     "torch.distributed.tensor.placement_types._StridedShard",
     "torch.distributed._functional_collectives.AsyncCollectiveTensor",

@@ -24,6 +24,7 @@ from torch.distributed.checkpoint.metadata import (
 from torch.distributed.checkpoint.planner import TensorWriteData, WriteItem, WriteItemType
 from torch.distributed.tensor import DTensor
 
+from vescale.checkpoint import _compat
 from vescale.dtensor.chunks import UnsupportedLayout, local_boxes
 
 __all__ = ["ChunkedTensor", "chunked_from_dtensor"]
@@ -54,7 +55,7 @@ class ChunkedTensor(torch.Tensor):
         after_load: Callable[[], None] | None = None,
         device: torch.device | None = None,
     ) -> ChunkedTensor:
-        r = torch.Tensor._make_wrapper_subclass(  # type: ignore[attr-defined]
+        r = _compat.make_wrapper_subclass(
             cls, torch.Size(global_shape), dtype=dtype, device=device or torch.device("cpu")
         )
         r._chunks = [(torch.Size(off), t) for off, t in chunks]
@@ -124,7 +125,7 @@ def chunked_from_dtensor(dt: DTensor, *, for_load: bool) -> ChunkedTensor:
     if coord is None:
         raise UnsupportedLayout("this rank is not part of the DTensor's mesh")
     boxes, local_shape = local_boxes(dt.shape, mesh.shape, coord, dt.placements)
-    local = dt._local_tensor.detach()
+    local = _compat.local_tensor(dt).detach()
     if tuple(local.shape) != tuple(local_shape):
         raise UnsupportedLayout(
             f"local tensor of shape {tuple(local.shape)} but the placements "

@@ -78,6 +78,11 @@ _ELEMENT_SIZE_OK = _INTERNALS.probe(
 )
 
 
+def make_wrapper_subclass(cls: type, size: torch.Size, **kwargs) -> torch.Tensor:
+    """A tensor subclass instance with no storage of its own (``ChunkedTensor``)."""
+    return torch.Tensor._make_wrapper_subclass(cls, size, **kwargs)  # type: ignore[attr-defined]
+
+
 def element_size(dtype: torch.dtype) -> int:
     """Bytes per element of ``dtype``."""
     if _ELEMENT_SIZE_OK:

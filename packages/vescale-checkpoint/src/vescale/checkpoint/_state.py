@@ -25,6 +25,7 @@ from torch.distributed.checkpoint.state_dict import (
 )
 from torch.distributed.tensor import DTensor, Partial, Replicate
 
+from vescale.checkpoint import _compat
 from vescale.checkpoint._chunked import ChunkedTensor, chunked_from_dtensor
 from vescale.checkpoint._compat import StridedShard as _StridedShard
 from vescale.checkpoint._storage import check_storage
@@ -408,7 +409,7 @@ def _staged_boxes(t: DTensor, key: str, stage: Stager) -> Later | None:
     boxes, local_shape = hit
     if local_shape is None:
         return None
-    local = t._local_tensor
+    local = _compat.local_tensor(t)
     if tuple(local.shape) != tuple(local_shape):
         return None
     buf = stage.copy(key, local)
@@ -460,7 +461,7 @@ def _tensor_entry(t: torch.Tensor, key: str, *, for_load: bool, stage, flat: Fla
             if not plugin:
                 return (
                     DTensor.from_local(
-                        _stage(t._local_tensor),
+                        _stage(_compat.local_tensor(t)),
                         t.device_mesh,
                         t.placements,
                         run_check=False,
@@ -492,13 +493,13 @@ def _tensor_entry(t: torch.Tensor, key: str, *, for_load: bool, stage, flat: Fla
 
             def copy_back() -> None:
                 back = fb.redistribute(placements=target.placements)
-                target._local_tensor.copy_(back._local_tensor)
+                _compat.local_tensor(target).copy_(_compat.local_tensor(back))
 
             flat.finishers.append(copy_back)
             return fb, info
         if stage:
             fb = DTensor.from_local(
-                _stage(fb._local_tensor),
+                _stage(_compat.local_tensor(fb)),
                 fb.device_mesh,
                 fb.placements,
                 run_check=False,

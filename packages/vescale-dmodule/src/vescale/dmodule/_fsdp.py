@@ -1004,7 +1004,7 @@ class FSDPEngine(SyncToggle):
                         if sp.grad is None:
                             b.fb.local_view(n, b.gshard).copy_(piece)
                         else:
-                            sp.grad._local_tensor.add_(piece) if isinstance(
+                            local_tensor(sp.grad).add_(piece) if isinstance(
                                 sp.grad, DTensor
                             ) else sp.grad.add_(piece)
                         self._own_copy_bytes += piece.numel() * piece.element_size()

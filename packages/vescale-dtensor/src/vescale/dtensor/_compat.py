@@ -291,7 +291,59 @@ def local_tensor(t: torch.Tensor) -> torch.Tensor:
     if _LOCAL_ATTR_OK:
         return t._local_tensor
     with torch.no_grad():
-        return t.to_local()
+        return DTensor.to_local(t)  # torch's own (a subclass's override may call this)
+
+
+_SPEC_ATTR_OK = _INTERNALS.probe(
+    "DTensor._spec",
+    lambda: None if "_spec" in getattr(DTensor, "__annotations__", {}) else "is missing",
+    instead="a DTensorSpec rebuilt from the public mesh, placements, shape and stride",
+)
+
+
+def dtensor_spec(t: DTensor) -> Any:
+    """The DTensorSpec of ``t`` (mesh, placements, global shape and stride, dtype)."""
+    if _SPEC_ATTR_OK:
+        return t._spec
+    return make_spec(t.device_mesh, tuple(t.placements), t.shape, t.stride(), t.dtype)
+
+
+# torch's pytree (no public module in the supported range) and op overload type
+def _import_pytree() -> tuple[Any, Any, Any, str | None]:
+    try:
+        from torch.utils._pytree import tree_flatten, tree_map, tree_unflatten
+    except ImportError as exc:
+        return None, None, None, f"cannot be imported ({exc})"
+    return tree_flatten, tree_map, tree_unflatten, None
+
+
+tree_flatten, tree_map, tree_unflatten, _pytree_problem = _import_pytree()
+_INTERNALS.probe(
+    "torch.utils._pytree",
+    lambda: _pytree_problem,
+    instead="operators on plugin-placement DTensors raise",
+    required=True,
+)
+OpOverload = getattr(torch._ops, "OpOverload", object)
+
+
+# ------------------------------------------------------------------ threaded process group
+def threaded_pg() -> Any:
+    """torch's threaded process group module (``torch.testing._internal``), for the test
+    harness's ``mode="thread"``."""
+    from torch.testing._internal.distributed import multi_threaded_pg
+
+    return multi_threaded_pg
+
+
+def current_world() -> Any:
+    """torch's process-global registry of process groups (``None`` if torch moved it)."""
+    return getattr(dist.distributed_c10d, "_world", None)
+
+
+def set_thread_isolation(on: bool) -> None:
+    """Per-thread process-group state (torch's threaded group needs it on)."""
+    torch._C._distributed_c10d._set_thread_isolation_mode(on)
 
 
 # ------------------------------------------------------------------ end-of-backward callbacks

@@ -16,9 +16,16 @@ from typing import Any
 import torch
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor, Partial, Placement, Replicate
-from torch.utils._pytree import tree_flatten, tree_map, tree_unflatten
 
 from vescale.dtensor import _compat
+from vescale.dtensor._compat import (
+    OpOverload,
+    dtensor_spec,
+    local_tensor,
+    tree_flatten,
+    tree_map,
+    tree_unflatten,
+)
 from vescale.dtensor._redistribute import get_plan, is_sharding, localize, validate_layout
 from vescale.dtensor.placement_types import PluginPlacement
 
@@ -125,7 +132,7 @@ _FULL_REDUCTIONS = {aten.sum.default, aten.mean.default, aten.linalg_vector_norm
 
 
 @functools.cache
-def _family(func: torch._ops.OpOverload) -> str | None:
+def _family(func: OpOverload) -> str | None:
     name = func._schema.name
     if name.startswith(_FOREACH_PREFIXES):
         return "foreach"
@@ -137,7 +144,7 @@ def _family(func: torch._ops.OpOverload) -> str | None:
 
 
 @functools.cache
-def _mutated_args(func: torch._ops.OpOverload) -> tuple[tuple[int, str], ...]:
+def _mutated_args(func: OpOverload) -> tuple[tuple[int, str], ...]:
     """``(position, name)`` of every argument the op writes to (``self_``, ``out=``...)."""
     return tuple(
         (i, a.name)
@@ -228,7 +235,7 @@ def _partial_linear(func, args: tuple, kwargs: dict) -> bool:
             return False
         return all(
             not p.is_partial() or getattr(p, "reduce_op", None) in ("sum", "avg")
-            for p in dts[0]._spec.placements
+            for p in dtensor_spec(dts[0]).placements
         )
     return False
 
@@ -242,7 +249,7 @@ def _fast_pointwise(func, args: tuple, kwargs: dict) -> Any:
     spec = None
     for a in args:
         if isinstance(a, DTensor):
-            s = a._spec
+            s = dtensor_spec(a)
             if spec is None:
                 spec = s
             elif s is not spec and not _same_layout(spec, s):
@@ -259,7 +266,7 @@ def _fast_pointwise(func, args: tuple, kwargs: dict) -> Any:
         return _MISS
     if _has_partial(spec.placements) and not _partial_linear(func, args, kwargs):
         return _MISS
-    out = func(*[a._local_tensor if isinstance(a, DTensor) else a for a in args], **kwargs)
+    out = func(*[local_tensor(a) if isinstance(a, DTensor) else a for a in args], **kwargs)
     if not isinstance(out, torch.Tensor):  # e.g. a tuple of results
         return tree_map(lambda t: _wrap_like(t, spec) if isinstance(t, torch.Tensor) else t, out)
     mutated = _mutated_args(func)
@@ -272,10 +279,10 @@ def _fast_pointwise(func, args: tuple, kwargs: dict) -> Any:
 def _new_like(func, args: tuple, kwargs: dict) -> Any:
     """``new_empty``/``new_zeros``/``new_ones``/``new_full`` of the DTensor's own global shape."""
     x, size = args[0], args[1]
-    if not isinstance(x, DTensor) or tuple(size) != tuple(x._spec.shape):
+    if not isinstance(x, DTensor) or tuple(size) != tuple(dtensor_spec(x).shape):
         return _MISS
-    local = func(x._local_tensor, tuple(x._local_tensor.shape), *args[2:], **kwargs)
-    return _wrap_like(local, x._spec)
+    local = func(local_tensor(x), tuple(local_tensor(x).shape), *args[2:], **kwargs)
+    return _wrap_like(local, dtensor_spec(x))
 
 
 # ------------------------------------------------------------------ local execution
@@ -287,8 +294,8 @@ def _try_local(func, family: str, args: tuple, kwargs: dict) -> tuple[bool, Any]
     for a in flat:
         if isinstance(a, DTensor):
             if spec is None:
-                spec = a._spec
-            elif not _same_layout(spec, a._spec):
+                spec = dtensor_spec(a)
+            elif not _same_layout(spec, dtensor_spec(a)):
                 return False, None
         elif isinstance(a, torch.Tensor) and a.dim() != 0:
             return False, None
@@ -299,7 +306,7 @@ def _try_local(func, family: str, args: tuple, kwargs: dict) -> tuple[bool, Any]
             return False, None
     if family == "full_reduction":
         return _full_reduction(func, spec, flat, treedef)
-    local_flat = [a._local_tensor if isinstance(a, DTensor) else a for a in flat]
+    local_flat = [local_tensor(a) if isinstance(a, DTensor) else a for a in flat]
     largs, lkwargs = tree_unflatten(local_flat, treedef)
     out = func(*largs, **lkwargs)
     mutated = _mutated_args(func)
@@ -323,9 +330,9 @@ def _try_local_foreach(func, args: tuple, kwargs: dict) -> tuple[bool, Any]:
         for i, t in enumerate(lst):
             if isinstance(t, DTensor):
                 if specs[i] is None:
-                    specs[i] = t._spec
-                    ref_shapes[i] = tuple(t._local_tensor.shape)
-                elif not _same_layout(specs[i], t._spec):
+                    specs[i] = dtensor_spec(t)
+                    ref_shapes[i] = tuple(local_tensor(t).shape)
+                elif not _same_layout(specs[i], dtensor_spec(t)):
                     return False, None
             elif isinstance(t, torch.Tensor) and t.dim() != 0:
                 return False, None
@@ -342,7 +349,7 @@ def _try_local_foreach(func, args: tuple, kwargs: dict) -> tuple[bool, Any]:
 
     def unwrap(a):
         if isinstance(a, (list, tuple)):
-            return [t._local_tensor if isinstance(t, DTensor) else t for t in a]
+            return [local_tensor(t) if isinstance(t, DTensor) else t for t in a]
         return a
 
     if func._schema.name == "aten::_foreach_norm":
@@ -356,7 +363,7 @@ def _try_local_foreach(func, args: tuple, kwargs: dict) -> tuple[bool, Any]:
     for i, t in enumerate(out):
         s = specs[i]
         if not isinstance(t, torch.Tensor) or tuple(t.shape) != tuple(
-            lists[0][i]._local_tensor.shape
+            local_tensor(lists[0][i]).shape
         ):
             raise RuntimeError(f"{func} is not shape-preserving; it cannot run on local shards")
         if has_plugin_placement(s.placements):
@@ -372,7 +379,7 @@ def _try_local_foreach(func, args: tuple, kwargs: dict) -> tuple[bool, Any]:
 def _full_reduction(func, spec: Any, flat: list, treedef) -> tuple[bool, Any]:
     args, kwargs = tree_unflatten(flat, treedef)
     x = args[0]
-    local = x._local_tensor
+    local = local_tensor(x)
     if func is aten.linalg_vector_norm.default:
         return _full_norm(spec, local, *args[1:], **kwargs)
     if any(v is not None for k, v in kwargs.items() if k != "dtype"):
@@ -432,7 +439,7 @@ def _foreach_norm(tensors, specs, ord=2, dtype=None) -> tuple[bool, Any]:
     for t, s in zip(tensors, specs):
         if not isinstance(t, DTensor) or not _allows(s, "full_reduction"):
             return False, None
-        ok, res = _full_norm(s, t._local_tensor, ord, dtype=dtype)
+        ok, res = _full_norm(s, local_tensor(t), ord, dtype=dtype)
         if not ok:
             return False, None
         outs.append(res)
@@ -441,7 +448,7 @@ def _foreach_norm(tensors, specs, ord=2, dtype=None) -> tuple[bool, Any]:
 
 # ------------------------------------------------------------------ fallback
 def _to_fallback(t: DTensor) -> DTensor:
-    spec = t._spec
+    spec = dtensor_spec(t)
     per_dim, _ = localize(spec.mesh, spec.placements, spec.shape)
     target = [
         p.fallback_placement(per_dim[i][1]) if isinstance(p, PluginPlacement) else p
@@ -450,14 +457,14 @@ def _to_fallback(t: DTensor) -> DTensor:
     if has_plugin_placement(target):
         raise TypeError(f"fallback placements must be built-in placements, got {target}")
     plan = get_plan(spec.mesh, spec.placements, target, spec.shape)
-    local = plan.run(t._local_tensor)
+    local = plan.run(local_tensor(t))
     return make_dtensor(local, spec.mesh, target, spec.shape, spec.tensor_meta.stride)
 
 
 def _from_fallback_into(orig: PluginDTensor, fb: DTensor) -> None:
-    spec = orig._spec
-    plan = get_plan(spec.mesh, fb._spec.placements, spec.placements, spec.shape)
-    orig._local_tensor.copy_(plan.run(fb._local_tensor))
+    spec = dtensor_spec(orig)
+    plan = get_plan(spec.mesh, dtensor_spec(fb).placements, spec.placements, spec.shape)
+    local_tensor(orig).copy_(plan.run(local_tensor(fb)))
 
 
 def _fallback(func, args: tuple, kwargs: dict) -> Any:
@@ -531,13 +538,13 @@ class PluginDTensor(DTensor):
 
     def __repr__(self) -> str:  # type: ignore[override]
         return (
-            f"DTensor(local_tensor={self._local_tensor}, device_mesh={self._spec.mesh}, "
-            f"placements={self._spec.placements})"
+            f"DTensor(local_tensor={local_tensor(self)}, device_mesh={dtensor_spec(self).mesh}, "
+            f"placements={dtensor_spec(self).placements})"
         )
 
     def to_local(self, *, grad_placements: Sequence[Placement] | None = None) -> torch.Tensor:
         if not torch.is_grad_enabled():
-            return self._local_tensor
+            return local_tensor(self)
         return _ToLocal.apply(self)
 
     def redistribute(  # type: ignore[override]
@@ -552,7 +559,7 @@ class PluginDTensor(DTensor):
         return redistribute_dtensor(self, device_mesh, placements, async_op=async_op)
 
     def full_tensor(self, *, grad_placements: Sequence[Placement] | None = None) -> torch.Tensor:
-        return self.redistribute(placements=[Replicate()] * self._spec.mesh.ndim).to_local()
+        return self.redistribute(placements=[Replicate()] * dtensor_spec(self).mesh.ndim).to_local()
 
     # torch.distributed.checkpoint protocol: a rank's data as boxes of the global tensor
     # (no communication); loading writes into views of the local tensor.
@@ -576,8 +583,8 @@ class PluginDTensor(DTensor):
 class _ToLocal(torch.autograd.Function):
     @staticmethod
     def forward(ctx, dt: PluginDTensor) -> torch.Tensor:  # type: ignore[override]
-        ctx.spec = dt._spec
-        return dt._local_tensor.view_as(dt._local_tensor)
+        ctx.spec = dtensor_spec(dt)
+        return local_tensor(dt).view_as(local_tensor(dt))
 
     @staticmethod
     def backward(ctx, grad: torch.Tensor):  # type: ignore[override]
@@ -598,10 +605,10 @@ class _FromLocal(torch.autograd.Function):
             # A partial input's gradient is the output's gradient itself on every rank
             # (d(sum of contributions) / d(one contribution) = 1): Replicate, as in torch.
             target = tuple(Replicate() if p.is_partial() else p for p in spec.placements)
-            if grad._spec.placements != target:
-                plan = get_plan(spec.mesh, grad._spec.placements, target, spec.shape)
-                return plan.run(grad._local_tensor), None
-            return grad._local_tensor, None
+            if dtensor_spec(grad).placements != target:
+                plan = get_plan(spec.mesh, dtensor_spec(grad).placements, target, spec.shape)
+                return plan.run(local_tensor(grad)), None
+            return local_tensor(grad), None
         return grad, None
 
 
@@ -610,10 +617,10 @@ class _Redistribute(torch.autograd.Function):
     def forward(  # type: ignore[override]
         ctx, dt: DTensor, mesh: DeviceMesh, placements: tuple, async_op: bool
     ) -> DTensor:
-        spec = dt._spec
+        spec = dtensor_spec(dt)
         ctx.src_spec = spec
         plan = get_plan(mesh, spec.placements, placements, spec.shape)
-        local = plan.run(dt._local_tensor, async_op=async_op)
+        local = plan.run(local_tensor(dt), async_op=async_op)
         if not plan.steps:
             local = local.view_as(local)
         return make_dtensor(local, mesh, placements, spec.shape, spec.tensor_meta.stride)
@@ -622,9 +629,9 @@ class _Redistribute(torch.autograd.Function):
     def backward(ctx, grad: DTensor):  # type: ignore[override]
         src = ctx.src_spec
         target = tuple(Replicate() if p.is_partial() else p for p in src.placements)
-        gspec = grad._spec
+        gspec = dtensor_spec(grad)
         plan = get_plan(src.mesh, gspec.placements, target, src.shape)
-        local = plan.run(grad._local_tensor)
+        local = plan.run(local_tensor(grad))
         return (
             make_dtensor(local, src.mesh, target, src.shape, src.tensor_meta.stride),
             None,
@@ -741,7 +748,7 @@ def _fill_local(key: str, local: DTensor, full: torch.Tensor) -> DTensor:
         )
 
     piece = distribute_tensor(
-        full.detach().to(local._local_tensor.device, local.dtype),
+        full.detach().to(local_tensor(local).device, local.dtype),
         local.device_mesh,
         local.placements,
         src_data_rank=None,
@@ -749,7 +756,7 @@ def _fill_local(key: str, local: DTensor, full: torch.Tensor) -> DTensor:
     if local.is_meta:
         return piece
     with torch.no_grad():
-        local._local_tensor.copy_(piece._local_tensor)
+        local_tensor(local).copy_(local_tensor(piece))
     return local
 
 

@@ -282,8 +282,10 @@ def _set_timeout(group: Any) -> None:
         return
     if "gloo" not in backend and "nccl" not in backend:
         return  # e.g. torch's threaded test group: no timeout to set
+    from vescale.dtensor import _compat
+
     try:
-        dist.distributed_c10d._set_pg_timeout(timedelta(seconds=get_default_timeout()), group)
+        _compat.set_pg_timeout(timedelta(seconds=get_default_timeout()), group)
     except Exception:  # noqa: BLE001 (backend without timeout support)
         pass
 

@@ -39,13 +39,16 @@ def run_threaded(
     """
     import torch
     import torch.distributed as dist
-    from torch.testing._internal.distributed import multi_threaded_pg as mtpg
+
+    from vescale.dtensor import _compat
+
+    mtpg = _compat.threaded_pg()
 
     with _LOCK:  # the threaded world is process-global state
         outcomes = [RankOutcome(r, ok=False, finished=False) for r in range(world_size)]
         world = mtpg._install_threaded_pg()
         store = dist.HashStore()
-        torch._C._distributed_c10d._set_thread_isolation_mode(True)
+        _compat.set_thread_isolation(True)
 
         def body(rank: int) -> None:
             outcome = outcomes[rank]
@@ -61,7 +64,7 @@ def run_threaded(
                 outcome.error, outcome.finished = traceback.format_exc(), True
                 mtpg.ProcessLocalGroup.exception_handle(exc)
             finally:
-                if dist.distributed_c10d._world is world and dist.is_initialized():
+                if _compat.current_world() is world and dist.is_initialized():
                     try:
                         dist.destroy_process_group()
                     except Exception:  # noqa: BLE001
@@ -91,5 +94,5 @@ def run_threaded(
         finally:
             mtpg.ProcessLocalGroup.reset()
             mtpg._uninstall_threaded_pg()
-            torch._C._distributed_c10d._set_thread_isolation_mode(False)
+            _compat.set_thread_isolation(False)
         return outcomes
