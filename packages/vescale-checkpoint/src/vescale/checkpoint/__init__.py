@@ -29,7 +29,7 @@ from vescale.checkpoint._api import (
 )
 from vescale.checkpoint._chunked import ChunkedTensor
 from vescale.checkpoint._export import export
-from vescale.checkpoint._hf import HFLoadResult, load_hf
+from vescale.checkpoint._hf import load_hf
 from vescale.checkpoint._storage import (
     CheckpointCorruptError,
     CheckpointError,
@@ -48,7 +48,6 @@ __all__ = [
     "load",
     "export",
     "load_hf",
-    "HFLoadResult",
     "wait_pending",
     "free_staging_buffers",
     "SaveHandle",

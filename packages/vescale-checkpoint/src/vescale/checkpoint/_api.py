@@ -109,12 +109,16 @@ class LoadResult:
         unexpected: Checkpoint keys with no live counterpart (ignored).
         mismatched: ``(key, checkpoint shape, live shape)`` pairs (left unchanged).
         seconds: Wall time of the load.
+        loaded: Live keys that were filled (`load_hf` only; empty for `load`).
+        bytes_read: Bytes this rank read from the files (`load_hf` only; 0 for `load`).
     """
 
     missing: list[str] = field(default_factory=list)
     unexpected: list[str] = field(default_factory=list)
     mismatched: list[tuple[str, list[int], list[int]]] = field(default_factory=list)
     seconds: float = 0.0
+    loaded: list[str] = field(default_factory=list)
+    bytes_read: int = 0
 
 
 class SaveHandle:

@@ -11,7 +11,6 @@ import json
 import os
 import time
 from collections.abc import Iterator
-from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
@@ -19,37 +18,18 @@ import torch
 from torch import nn
 from torch.distributed.tensor import DTensor
 
-from vescale.checkpoint._api import CheckpointMismatchError
+from vescale.checkpoint._api import CheckpointMismatchError, LoadResult
 from vescale.checkpoint._storage import CheckpointError
 from vescale.dtensor import distribute_tensor
 from vescale.dtensor.chunks import UnsupportedLayout, local_boxes
 
-__all__ = ["HFLoadResult", "load_hf"]
+__all__ = ["load_hf"]
 
 _INDEX = "model.safetensors.index.json"
 _SINGLE = "model.safetensors"
 # Prefixes under which transformers nests the base model of a task model
 # (``GPT2LMHeadModel.transformer``, ``LlamaForCausalLM.model``, ...).
 _BASE_PREFIXES = ("transformer.", "model.", "gpt_neox.", "decoder.")
-
-
-@dataclass
-class HFLoadResult:
-    """What `load_hf` did.
-
-    Attributes:
-        missing: Model keys with no tensor in the files (left unchanged).
-        unexpected: File keys with no model tensor (not read).
-        loaded: Model keys that were filled.
-        bytes_read: Bytes this rank read from the files (its own pieces only).
-        seconds: Wall time.
-    """
-
-    missing: list[str] = field(default_factory=list)
-    unexpected: list[str] = field(default_factory=list)
-    loaded: list[str] = field(default_factory=list)
-    bytes_read: int = 0
-    seconds: float = 0.0
 
 
 def _weight_map(path: Path) -> dict[str, Path]:
@@ -137,7 +117,7 @@ def load_hf(
     path: str | os.PathLike,
     *,
     strict: bool = True,
-) -> HFLoadResult:
+) -> LoadResult:
     """Fill a (parallelized) model from a Hugging Face ``save_pretrained`` directory.
 
     Reads ``model.safetensors`` or the shards named by ``model.safetensors.index.json``.
@@ -167,7 +147,8 @@ def load_hf(
             ``False`` loads what matches and reports the rest.
 
     Returns:
-        An `HFLoadResult`.
+        A `LoadResult`: ``missing`` and ``unexpected`` keys (``strict=False``),
+        ``loaded`` keys and the ``bytes_read`` by this rank.
 
     Raises:
         CheckpointError: No safetensors weights in ``path``, or an index naming a
@@ -205,7 +186,7 @@ def load_hf(
     missing: list[str] = []
     used: set[str] = set()
     for names, t in by_id.values():
-        found = [(k, file_key(k)) for k in names if file_key(k) is not None]
+        found = [(k, fk) for k in names if (fk := file_key(k)) is not None]
         if not found:
             missing.extend(names)
             continue
@@ -251,7 +232,7 @@ def load_hf(
     finally:
         handles.clear()
     loaded = sorted(k for names, _ in by_id.values() for k in names if k not in missing)
-    return HFLoadResult(
+    return LoadResult(
         missing=sorted(missing),
         unexpected=unexpected,
         loaded=loaded,
