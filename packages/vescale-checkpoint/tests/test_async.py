@@ -200,8 +200,19 @@ def test_commit_failure_on_rank_0_is_raised_on_every_rank(tmp_path, async_op):
 
 def subgroup_body(path):
     pg = dist.new_group([0, 1])  # every rank creates it; only 0 and 1 save
-    if dist.get_rank() >= 2:
-        return None
+    if dist.get_rank() < 2:
+        _save_on_the_subgroup(path, pg)
+    # Groups that every rank creates afterwards still rendezvous: the members' own async
+    # group left every rank's group naming as it was (on torch 2.15 this hung).
+    mesh = init_device_mesh("cpu", (2, 2), mesh_dim_names=("a", "b"))
+    for dim in ("a", "b"):
+        x = torch.ones(1)
+        dist.all_reduce(x, group=mesh.get_group(dim))
+        assert x.item() == 2.0
+    return True
+
+
+def _save_on_the_subgroup(path, pg):
     t = torch.arange(10.0)
     h = vckpt.save(path, {"t": t}, async_op=True, process_group=pg)
     h.result()
@@ -212,11 +223,10 @@ def subgroup_body(path):
     out = {"t": torch.zeros(10)}
     vckpt.load(path, out, process_group=pg)
     assert torch.equal(out["t"], t + 1)
-    return True
 
 
 def test_async_save_on_a_subgroup_uses_a_group_of_its_own(tmp_path):
-    run_on_ranks(subgroup_body, 4, str(tmp_path / "sub"))
+    run_on_ranks(subgroup_body, 4, str(tmp_path / "sub"), timeout=90)
 
 
 def _slow_complete(delay: float):

@@ -9,6 +9,7 @@ every other and into a plain single-device model, values exactly equal.
 
 from __future__ import annotations
 
+import copy
 import importlib.util
 import pathlib
 
@@ -21,6 +22,7 @@ from torch.distributed.checkpoint.state_dict import (
     get_model_state_dict,
     get_state_dict,
     set_model_state_dict,
+    set_optimizer_state_dict,
     set_state_dict,
 )
 
@@ -176,16 +178,23 @@ def test_set_state_dict_full_round_trip(kind, broadcast):
         model, {k: v.clone() for k, v in ref.items()} if give else {}, options=opts
     )
     _assert_equal(_fresh_full(model), ref, f"{kind} from single device")
-    if broadcast:
-        return
     # model and optimizer state: get full, set into a fresh engine, get again
     opt = _step(model)
     want_model, want_optim = get_state_dict(model, opt, options=FULL)
     model2 = _build(kind, seed=4)
     opt2 = torch.optim.AdamW(model2.parameters(), lr=1e-2, weight_decay=0.1)
-    set_state_dict(
-        model2, opt2, model_state_dict=want_model, optim_state_dict=want_optim, options=FULL
-    )
+    if broadcast:
+        # Two calls: torch's combined set_state_dict decides per rank whether the model is
+        # loaded from `not model_state_dict`, so ranks given {} skip it (docs/dcp.md).
+        # torch also rewrites rank 0's dicts in place: hand it copies.
+        set_model_state_dict(model2, copy.deepcopy(want_model) if give else {}, options=opts)
+        set_optimizer_state_dict(
+            model2, opt2, copy.deepcopy(want_optim) if give else {}, options=opts
+        )
+    else:
+        set_state_dict(
+            model2, opt2, model_state_dict=want_model, optim_state_dict=want_optim, options=FULL
+        )
     got_model, got_optim = get_state_dict(model2, opt2, options=FULL)
     _assert_equal(got_model, want_model, f"{kind} model")
     _assert_equal(got_optim, want_optim, f"{kind} optimizer")

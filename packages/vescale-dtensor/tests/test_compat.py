@@ -46,11 +46,15 @@ NATIVE = [
     "DTensor.from_local(grad_placements=)",
     "DTensor subclass __torch_dispatch__ (plugin-placement DTensors)",
     "DTensor _unsafe_view flattening a sharded inner dim (4-D matmuls)",
+    "DTensor view flattening a sharded inner dim (sequence-parallel logits)",
+    "torch._dynamo DeviceMeshVariable.is_device_mesh (DeviceMesh subclasses)",
     "torch.distributed._state_dict_utils (full state dicts into plugin placements)",
 ]
 FUSED = "ShardingPropagator split/cat strategies (fused projections)"
 ATTENTION = "DTensor rules for aten._scaled_dot_product_flash_attention_for_cpu"
 _REGISTER_SHARDING = "native: torch.distributed.tensor.experimental.register_sharding"
+DYNAMO_MESH = "torch._dynamo DeviceMeshVariable.is_device_mesh (DeviceMesh subclasses)"
+DYNAMO_NO_CHECK = "native: dynamo has no exact-type DeviceMesh check"
 RECORDED = {
     (2, 11): {
         "torch.distributed.all_gather_single": "native: torch.distributed.all_gather_into_tensor",
@@ -71,12 +75,20 @@ RECORDED = {
             "dimensions, with dimension 1 being sharded.); its reshape rule (one all-gather "
             "of that dim)"
         ),
+        "DTensor view flattening a sharded inner dim (sequence-parallel logits)": (
+            "fallback: torch's strict view rule refuses it (Attempted to flatten multiple "
+            "dimensions, with dimension 1 being sharded.); its reshape rule (one all-gather "
+            "of that dim; a copy, not a view)"
+        ),
+        DYNAMO_MESH: "native: widened from torch's exact type to vescale's subclass",
     },
     (2, 13): {
+        DYNAMO_MESH: DYNAMO_NO_CHECK,
         FUSED: "native: op_strategy_funcs + op_to_scalar_shape_adjuster",
         ATTENTION: _REGISTER_SHARDING,
     },
     (2, 15): {
+        DYNAMO_MESH: DYNAMO_NO_CHECK,
         FUSED: "native: op_single_dim_strategy_funcs + op_to_scalar_shape_adjuster",
         ATTENTION: _REGISTER_SHARDING,
     },

@@ -196,13 +196,19 @@ def test_native_crash_reports_the_python_stack():
 
 
 def test_hang_becomes_timeout_failure_and_pool_recovers():
+    run_on_ranks(_all_reduce_body, 2, 1)  # a started pool: time the timeout only
     start = time.monotonic()
     with pytest.raises(RankFailure) as info:
         run_on_ranks(_hang_on_rank_zero, 2, timeout=3)
     elapsed = time.monotonic() - start
     assert elapsed < 10, f"a 3 s timeout took {elapsed:.1f} s"
     assert info.value.unfinished_ranks == [0, 1]
-    assert "did not finish" in str(info.value)
+    msg = str(info.value)
+    assert "did not finish" in msg
+    # each hung rank's report has its Python stack at the time of the timeout
+    for o in info.value.outcomes:
+        assert "_hang_on_rank_zero" in o.output, o.output
+    assert "all_reduce" in info.value.outcomes[0].output
     assert run_on_ranks(_all_reduce_body, 2, 1)[1][2] == 3.0
 
 

@@ -328,11 +328,11 @@ def _async_group(process_group: Any) -> Any:
     else:
         try:
             # Only the members call save(); the group's name is derived from its ranks.
-            group = dist.new_group(
-                list(ranks), backend="gloo", timeout=timeout, use_local_synchronization=True
-            )
+            group = _compat.new_member_group(list(ranks), timeout)
         except (ValueError, RuntimeError):
             return None  # a group of the same ranks already holds that name
+        if group is None:
+            return None
     _async_groups[ranks] = (default, group, seconds)
     return group
 

@@ -11,7 +11,10 @@ from __future__ import annotations
 
 import dataclasses
 
+from datetime import timedelta
+
 import torch
+import torch.distributed as dist
 
 from vescale.dtensor import _compat as _dtensor_compat
 from vescale.dtensor._compat import StridedShard, TorchInternals, default_group, local_tensor
@@ -23,6 +26,7 @@ __all__ = [
     "default_group",
     "element_size",
     "local_tensor",
+    "new_member_group",
 ]
 
 _INTERNALS = TorchInternals("vescale-checkpoint")
@@ -88,6 +92,37 @@ def element_size(dtype: torch.dtype) -> int:
     if _ELEMENT_SIZE_OK:
         return _ELEMENT_SIZE(dtype)
     return torch.empty((), dtype=dtype).element_size()
+
+
+# ``new_group(ranks, use_local_synchronization=True)`` is made by its members alone. Some
+# torch releases (2.15) count such a group in ``_world.group_count`` on the members only:
+# the next group that every rank creates (``new_group``, a ``DeviceMesh``) then gets a
+# different name on members and non-members, and its rendezvous hangs. The count is put
+# back on the members, so that every rank keeps the same count.
+_GROUP_COUNT = "torch.distributed.distributed_c10d._world.group_count"
+_WORLD = getattr(getattr(dist, "distributed_c10d", None), "_world", None)
+_GROUP_COUNT_OK = _INTERNALS.probe(
+    _GROUP_COUNT,
+    lambda: None if isinstance(getattr(_WORLD, "group_count", None), int) else "is missing",
+    instead="save(async_op=True, process_group=<a subgroup>) saves synchronously",
+)
+
+
+def new_member_group(ranks: list[int], timeout: timedelta) -> dist.ProcessGroup | None:
+    """A gloo group of ``ranks`` created by those ranks alone (``None``: unavailable).
+
+    Every rank's process-group count stays as it was, so groups that all ranks create
+    later get the same name everywhere. Raises torch's ``ValueError`` / ``RuntimeError``
+    where a group of the same ranks already holds the name.
+    """
+    if not _GROUP_COUNT_OK:
+        return None
+    before = _WORLD.group_count
+    group = dist.new_group(
+        list(ranks), backend="gloo", timeout=timeout, use_local_synchronization=True
+    )
+    _WORLD.group_count = before
+    return group
 
 
 def check_torch_internals() -> dict[str, str]:

@@ -62,6 +62,7 @@ __all__ = [
     "route_subclass_dispatch",
     "install_strided_split_rules",
     "install_cpu_attention_rules",
+    "install_dynamo_mesh_rule",
     "install_unsafe_view_rule",
     "install_state_dict_rules",
     "check_torch_internals",
@@ -1493,6 +1494,7 @@ def install_unsafe_view_rule() -> None:
         problem = None
     if problem is None:
         _INTERNALS.native(name)
+        _INTERNALS.native("DTensor view flattening a sharded inner dim (sequence-parallel logits)")
         return
     prop = _propagator()
     funcs = getattr(prop, "op_strategy_funcs", {})
@@ -1503,6 +1505,58 @@ def install_unsafe_view_rule() -> None:
         funcs[aten._unsafe_view.default] = funcs[aten.reshape.default]
         prop.propagate_op_sharding.cache_clear()
     _INTERNALS.fallback(name, problem, "its reshape rule (one all-gather of that dim)")
+    # ``x.view(-1, vocab)`` of sequence-sharded logits, or a head reshape of head-sharded
+    # activations, flattens a sharded inner dim with ``view`` itself. Where torch refuses
+    # that, the reshape rule gathers the dim: the values are right, but the result is a
+    # copy, not an alias of ``x`` (an in-place change of one is not seen in the other).
+    view_name = "DTensor view flattening a sharded inner dim (sequence-parallel logits)"
+    if aten.view.default not in funcs:
+        _INTERNALS.missing(view_name, problem, "such views raise torch's error")
+        return
+    if funcs[aten.view.default] is not funcs[aten.reshape.default]:
+        funcs[aten.view.default] = funcs[aten.reshape.default]
+        prop.propagate_op_sharding.cache_clear()
+    _INTERNALS.fallback(
+        view_name, problem, "its reshape rule (one all-gather of that dim; a copy, not a view)"
+    )
+
+
+# ------------------------------------------------------------------ torch.compile
+# dynamo turns a ``DeviceMesh`` into a constant only if its type is exactly torch's on
+# some releases (2.11: ``istype`` in ``DeviceMeshVariable.is_device_mesh``); a vescale
+# ``DeviceMesh`` (a subclass adding nothing dynamo needs) then fails tracing with
+# "UserDefinedObjectVariable(DeviceMesh) is not a constant". Widened to subclasses.
+DYNAMO_MESH = "torch._dynamo DeviceMeshVariable.is_device_mesh (DeviceMesh subclasses)"
+
+
+def install_dynamo_mesh_rule(mesh_cls: type) -> None:
+    """Let dynamo trace a ``mesh_cls`` (a torch ``DeviceMesh`` subclass) like torch's own."""
+    effect = "torch.compile of a model on a vescale DeviceMesh fails while tracing"
+    try:
+        import torch._dynamo.variables.distributed as dyn
+    except Exception as exc:  # noqa: BLE001 - no dynamo: nothing to adapt
+        _INTERNALS.missing(DYNAMO_MESH, f"cannot be imported: {exc!r}", effect)
+        return
+    DeviceMeshVariable = getattr(dyn, "DeviceMeshVariable", None)
+    orig = getattr(DeviceMeshVariable, "is_device_mesh", None)
+    if not callable(orig):
+        # newer dynamo traces meshes as opaque objects, subclasses included
+        _INTERNALS.native(DYNAMO_MESH, "dynamo has no exact-type DeviceMesh check")
+        return
+    try:
+        accepted = bool(orig(object.__new__(mesh_cls)))
+    except Exception as exc:  # noqa: BLE001
+        _INTERNALS.missing(DYNAMO_MESH, f"probing failed: {exc!r}", effect)
+        return
+    if accepted:
+        _INTERNALS.native(DYNAMO_MESH)
+        return
+
+    def is_device_mesh(value: object) -> bool:
+        return isinstance(value, mesh_cls) or orig(value)
+
+    DeviceMeshVariable.is_device_mesh = staticmethod(is_device_mesh)
+    _INTERNALS.native(DYNAMO_MESH, "widened from torch's exact type to vescale's subclass")
 
 
 # ------------------------------------------------------------------ CPU attention

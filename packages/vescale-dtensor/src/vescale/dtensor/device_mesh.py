@@ -403,3 +403,12 @@ def init_device_mesh(
             "expected a shape whose product equals the world size"
         )
     return DeviceMesh(device_type, torch.arange(world).view(shape), mesh_dim_names=names)
+
+
+def _install_dynamo_rule() -> None:
+    from vescale.dtensor import _compat
+
+    _compat.install_dynamo_mesh_rule(DeviceMesh)
+
+
+_install_dynamo_rule()

@@ -25,6 +25,7 @@ import os
 import pickle
 import queue
 import shutil
+import signal
 import sys
 import tempfile
 import time
@@ -39,6 +40,8 @@ __all__ = ["ProcessPool", "get_pool", "shutdown_pools"]
 
 #: Seconds to wait for the remaining ranks after one rank failed.
 FAILURE_GRACE_S = 1.5
+#: Seconds a hung worker is given to write its stacks (SIGUSR1) before its log is read.
+STACK_DUMP_WAIT_S = 1.0
 #: Seconds allowed for a pool to start (imports + process group set-up).
 STARTUP_TIMEOUT_S = 180.0
 #: Process-group timeout used while idle; each task narrows it to its own timeout.
@@ -112,6 +115,10 @@ def _worker_main(
     # A crash in native code (SIGSEGV, SIGABRT, ...) dumps every thread's Python stack
     # into the rank's log, which the failure report of the task includes.
     faulthandler.enable(file=sys.stderr, all_threads=True)
+    # A rank that does not finish in time is sent SIGUSR1 by the parent, which dumps where
+    # each of its threads is into the log: a hang report says where every rank waits.
+    if hasattr(signal, "SIGUSR1"):
+        faulthandler.register(signal.SIGUSR1, file=sys.stderr, all_threads=True)
     try:
         import torch
         import torch.distributed as dist
@@ -344,11 +351,23 @@ class ProcessPool:
                 )
             result.append(o)
         if not all(o.ok for o in result):
+            self._dump_stacks([o.rank for o in result if not o.finished])
             for o in result:
                 if not o.ok:
                     o.output = self._read_log(o.rank, starts[o.rank])
             self.close(kill=True)
         return result
+
+    def _dump_stacks(self, ranks: list[int]) -> None:
+        """Have the workers of ``ranks`` write their Python stacks into their logs."""
+        if not ranks or not hasattr(signal, "SIGUSR1"):
+            return
+        for r in ranks:
+            p = self._procs[r]
+            if p.is_alive() and p.pid is not None:
+                with contextlib.suppress(OSError):
+                    os.kill(p.pid, signal.SIGUSR1)
+        time.sleep(STACK_DUMP_WAIT_S)
 
     def request_stop(self) -> None:
         """Ask every worker to leave its loop (non-blocking)."""
