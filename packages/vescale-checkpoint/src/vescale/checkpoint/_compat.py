@@ -10,7 +10,6 @@ A missing one is replaced by a public equivalent where one exists, with one
 from __future__ import annotations
 
 import dataclasses
-
 from datetime import timedelta
 
 import torch
