@@ -86,3 +86,39 @@ def test_compile_equals_eager(backend):
         )
         for (n, p), (_, q) in zip(model.named_parameters(), eager_model.named_parameters()):
             torch.testing.assert_close(_full(p.detach()), _full(q.detach()), **TOL, msg=n)
+
+
+class TokenModel(nn.Module):
+    def __init__(self, vocab=16, d=8):
+        super().__init__()
+        self.emb = nn.Embedding(vocab, d)
+        self.head = nn.Linear(d, vocab)
+
+    def forward(self, ids):
+        return self.head(self.emb(ids))
+
+
+@pytest.mark.slow
+@distributed(2, timeout=600)
+def test_compile_of_a_row_parallel_embedding_is_refused_clearly():
+    # A vocabulary-parallel (row-parallel, weight Shard(0)) embedding does not trace
+    # (dynamo fails deep inside with "Mixing fake modes NYI"): the forward pre-hook says
+    # so, naming the module, before tracing gets there. Eager still works.
+    import torch._dynamo
+
+    torch._dynamo.reset()
+    mesh = init_device_mesh("cpu", (2,), mesh_dim_names=("tp",))
+    torch.manual_seed(0)
+    model = parallelize_module(
+        TokenModel(),
+        mesh,
+        {
+            "emb": RowwiseParallel(input_layouts=Replicate()),
+            "head": ColwiseParallel(output_layouts=Replicate()),
+        },
+    )
+    ids = torch.randint(0, 16, (2, 4))
+    eager = _full(model(ids))
+    assert eager.shape == (2, 4, 16)
+    with pytest.raises(NotImplementedError, match=r"'emb'.*row-parallel"):
+        torch.compile(model, backend="eager")(ids)

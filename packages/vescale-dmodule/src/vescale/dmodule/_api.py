@@ -9,7 +9,7 @@ from typing import Any
 import torch
 from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
-from torch.distributed.tensor import DTensor, Replicate
+from torch.distributed.tensor import DTensor, Replicate, Shard
 
 from vescale.dmodule import _plan
 from vescale.dmodule._auto_plan import resolve_tp_dim
@@ -20,6 +20,7 @@ from vescale.dmodule._hooks import (
     make_input_hook,
     make_output_hook,
     make_tensor_hooks,
+    refuse_compile_hook,
 )
 from vescale.dmodule._torch_styles import has_torch_styles, translate_torch_plan
 from vescale.dtensor import distribute_tensor, get_plugin_manager, register_plugin
@@ -449,6 +450,14 @@ def parallelize_module(
         pre, post = make_tensor_hooks({a: pl for a, (_k, pl) in table.items()}, device_mesh)
         handles.append(modules[name].register_forward_pre_hook(pre))
         handles.append(modules[name].register_forward_hook(post, always_call=True))
+    for name, mod in modules.items():
+        w = getattr(mod, "weight", None)
+        if (
+            isinstance(mod, nn.Embedding)
+            and isinstance(w, DTensor)
+            and any(isinstance(p, Shard) and p.dim == 0 for p in w.placements)
+        ):
+            handles.append(mod.register_forward_pre_hook(refuse_compile_hook(name or "<root>")))
     if opts["factory"] not in (False, None):
         from vescale.dmodule._factory import install_factory
 

@@ -299,6 +299,27 @@ def _refuse_compile(name: str) -> None:
     )
 
 
+@torch.compiler.disable
+def _refuse_row_parallel_embedding(name: str) -> None:
+    raise NotImplementedError(
+        f"torch.compile of a model whose embedding {name!r} is row-parallel "
+        "(vocabulary-parallel, weight Shard(0)) is not supported yet: tracing it fails "
+        'inside torch ("Mixing fake modes NYI" at F.embedding). Shard the embedding '
+        "by columns (Shard(1)), keep it replicated, or run without torch.compile; see "
+        '"torch.compile" in docs/dmodule.md'
+    )
+
+
+def refuse_compile_hook(name: str):
+    """A forward pre-hook that raises a clear error while torch.compile traces ``name``."""
+
+    def hook(mod: nn.Module, args: tuple) -> None:
+        if torch.compiler.is_compiling():
+            _refuse_row_parallel_embedding(name)
+
+    return hook
+
+
 class ImplicitReplicationHooks:
     """Let plain tensors made inside a module's forward act as replicated DTensors.
 
