@@ -286,36 +286,35 @@ def implicit_replication():
 
 
 @torch.compiler.disable
-def _refuse_compile(name: str) -> None:
+def _refuse_compile(message: str) -> None:
     # called (eagerly, outside the graph) while torch.compile traces the forward, so the
-    # user gets this error instead of AOTAutograd's "mixed torch.Tensor and DTensor"
-    raise NotImplementedError(
+    # user gets this error instead of one from deep inside dynamo or AOTAutograd
+    raise NotImplementedError(f'{message}; see "torch.compile" in docs/dmodule.md')
+
+
+def _implicit_replication_message(name: str) -> str:
+    return (
         f"torch.compile of {name}, parallelized with implicit_replication=True (the default "
         "for vescale plans), is not supported: its plain tensors act as replicated only "
         "through a thread-local flag and saved-tensor hooks, which compiled graphs do not "
         "see. Parallelize with implicit_replication=False and plan the root input (e.g. "
-        '{"forward": {"input": [[Replicate()]]}}), or use a torch ParallelStyle plan; see '
-        '"torch.compile" in docs/dmodule.md'
-    )
-
-
-@torch.compiler.disable
-def _refuse_row_parallel_embedding(name: str) -> None:
-    raise NotImplementedError(
-        f"torch.compile of a model whose embedding {name!r} is row-parallel "
-        "(vocabulary-parallel, weight Shard(0)) is not supported yet: tracing it fails "
-        'inside torch ("Mixing fake modes NYI" at F.embedding). Shard the embedding '
-        "by columns (Shard(1)), keep it replicated, or run without torch.compile; see "
-        '"torch.compile" in docs/dmodule.md'
+        '{"forward": {"input": [[Replicate()]]}}), or use a torch ParallelStyle plan'
     )
 
 
 def refuse_compile_hook(name: str):
-    """A forward pre-hook that raises a clear error while torch.compile traces ``name``."""
+    """A forward pre-hook that raises a clear error while torch.compile traces the
+    row-parallel embedding ``name``."""
+    message = (
+        f"torch.compile of a model whose embedding {name!r} is row-parallel "
+        "(vocabulary-parallel, weight Shard(0)) is not supported yet: tracing it fails "
+        'inside torch ("Mixing fake modes NYI" at F.embedding). Shard the embedding '
+        "by columns (Shard(1)), keep it replicated, or run without torch.compile"
+    )
 
     def hook(mod: nn.Module, args: tuple) -> None:
         if torch.compiler.is_compiling():
-            _refuse_row_parallel_embedding(name)
+            _refuse_compile(message)
 
     return hook
 
@@ -357,7 +356,7 @@ class ImplicitReplicationHooks:
 
     def pre(self, mod: nn.Module, args: tuple) -> None:
         if torch.compiler.is_compiling():
-            _refuse_compile(type(mod).__qualname__)
+            _refuse_compile(_implicit_replication_message(type(mod).__qualname__))
         ctx = torch.autograd.graph.saved_tensors_hooks(self._pack, self._unpack)
         self._stack.append((_get_flag(), ctx))
         _set_flag(True)
