@@ -185,7 +185,7 @@ def test_set_state_dict_full_round_trip(kind, broadcast):
     opt2 = torch.optim.AdamW(model2.parameters(), lr=1e-2, weight_decay=0.1)
     if broadcast:
         # Two calls: torch's combined set_state_dict decides per rank whether the model is
-        # loaded from `not model_state_dict`, so ranks given {} skip it (docs/dcp.md).
+        # loaded from `not model_state_dict`, so ranks given {} skip it (docs/data_parallel.md).
         # torch also rewrites rank 0's dicts in place: hand it copies.
         set_model_state_dict(model2, copy.deepcopy(want_model) if give else {}, options=opts)
         set_optimizer_state_dict(

@@ -494,8 +494,10 @@ def save(
                 _warned_sync_fallback = True
                 warnings.warn(
                     "vescale.checkpoint.save(async_op=True): cannot create a separate gloo group "
-                    "for the ranks of process_group (a group of the same ranks was created with "
-                    "use_local_synchronization=True); saving synchronously instead",
+                    "for the ranks of process_group (a group of the same ranks already holds "
+                    "its name, or torch's group count is missing: see "
+                    "vescale.checkpoint._compat.check_torch_internals()); saving "
+                    "synchronously instead",
                     stacklevel=2,
                 )
             async_op = False

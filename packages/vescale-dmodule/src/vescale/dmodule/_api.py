@@ -450,7 +450,7 @@ def parallelize_module(
         pre, post = make_tensor_hooks({a: pl for a, (_k, pl) in table.items()}, device_mesh)
         handles.append(modules[name].register_forward_pre_hook(pre))
         handles.append(modules[name].register_forward_hook(post, always_call=True))
-    for name, mod in modules.items():
+    for name, mod in model.named_modules():
         w = getattr(mod, "weight", None)
         if (
             isinstance(mod, nn.Embedding)
