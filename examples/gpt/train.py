@@ -781,6 +781,9 @@ def main(argv: list[str] | None = None) -> int:
             "train_s": round(train_s, 2),
             "total_s": round(total_s, 2),
             "tokens_per_s": round(steps_run * tokens_per_step / train_s, 1) if steps_run else None,
+            "peak_memory_bytes": (
+                torch.cuda.max_memory_allocated(device) if device.type == "cuda" else None
+            ),
         }
         metrics.write()
         png = metrics.plot()
