@@ -17,6 +17,10 @@ padding-free flat buffers gathered and reduce-scattered with no extra copies. HS
 
 ``activation_checkpointing=True`` (or regexes, or a predicate) recomputes the chosen
 submodules' activations in backward (`apply_activation_checkpointing`).
+
+`pipeline_parallelize` splits an unmodified model into pipeline stages over a ``pp``
+mesh dim and runs torch's pipelining schedules (GPipe, 1F1B, interleaved 1F1B); each
+stage is parallelized with the above over the rest of the mesh.
 """
 
 from vescale.dmodule.__about__ import __version__
@@ -28,8 +32,30 @@ from vescale.dmodule._dp_common import MixedPrecision, dp_memory_bytes
 from vescale.dmodule._dp_module import FullyShardedModule, ReplicatedModule
 from vescale.dmodule._fsdp import fully_shard, get_dp_engine, no_sync
 from vescale.dmodule._loss import vocab_parallel_cross_entropy
+from vescale.dmodule._pipeline import PipelineParallel, pipeline_parallelize
+from vescale.dmodule._pipeline_split import PipelineSplitError
 from vescale.dmodule._plan import SECTIONS, PlanSectionError
 from vescale.dmodule._torch_styles import TorchStyleError
+from vescale.dmodule._cost_model import (
+    DeviceSpec,
+    Estimate,
+    Layout,
+    Link,
+    ModelProfile,
+    estimate,
+    probe_device,
+    profile_model,
+    saved_activation_bytes,
+)
+from vescale.dmodule._reshard import ReshardError, reshard
+from vescale.dmodule._strategy import (
+    NoLayoutFitsError,
+    StrategyChoice,
+    apply_layout,
+    get_strategy,
+    layout_of,
+    search,
+)
 
 __all__ = [
     "__version__",
@@ -51,4 +77,21 @@ __all__ = [
     "ReplicatedModule",
     "dp_memory_bytes",
     "apply_activation_checkpointing",
+    "Layout",
+    "Link",
+    "DeviceSpec",
+    "ModelProfile",
+    "Estimate",
+    "StrategyChoice",
+    "NoLayoutFitsError",
+    "profile_model",
+    "probe_device",
+    "estimate",
+    "search",
+    "apply_layout",
+    "get_strategy",
+    "layout_of",
+    "saved_activation_bytes",
+    "reshard",
+    "ReshardError",
 ]

@@ -1,0 +1,505 @@
+"""Pipeline parallelism on ``torch.distributed.pipelining``.
+
+`pipeline_parallelize` splits an unmodified model into stages (`_pipeline_split`),
+lets the caller parallelize each stage over the rest of the mesh (TP/SP plans, DDP,
+FSDP, HSDP, activation checkpointing: ``DModule(stage, submesh, ...)``), wraps every
+stage in torch's ``PipelineStage`` and runs torch's schedules (``ScheduleGPipe``,
+``Schedule1F1B``, ``ScheduleInterleaved1F1B``). vescale adds no scheduler of its own.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+from collections.abc import Callable, Iterator, Sequence
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from torch import nn
+from torch.distributed.device_mesh import DeviceMesh
+from torch.distributed.pipelining import (
+    PipelineStage,
+    Schedule1F1B,
+    ScheduleGPipe,
+    ScheduleInterleaved1F1B,
+)
+from torch.distributed.tensor import DTensor
+
+from vescale.dmodule._compat import tree_flatten, tree_unflatten
+from vescale.dmodule._pipeline_split import (
+    PipelineSplitError,
+    auto_split_points,
+    build_stage_module,
+    check_split_points,
+    meta_like,
+    stage_of_modules,
+    trace_model,
+)
+
+__all__ = ["PipelineParallel", "pipeline_parallelize", "PipelineSplitError", "SCHEDULES"]
+
+#: Schedule names accepted by `pipeline_parallelize` -> (torch class, stages per rank).
+SCHEDULES: dict[str, tuple[type, int]] = {
+    "gpipe": (ScheduleGPipe, 1),
+    "1f1b": (Schedule1F1B, 1),
+    "interleaved1f1b": (ScheduleInterleaved1F1B, 2),
+}
+
+
+class _StageExit(Exception):  # noqa: N818 - control flow, never escapes
+    def __init__(self, tensors: tuple[torch.Tensor, ...]) -> None:
+        super().__init__()
+        self.tensors = tensors
+
+
+def _plain(t: Any) -> Any:
+    return t.full_tensor() if isinstance(t, DTensor) else t
+
+
+@dataclasses.dataclass
+class _Runtime:
+    """Per-stage state of one forward call."""
+
+    stage_index: int
+    num_stages: int
+    entry_name: str | None
+    exit_name: str | None
+    meta_args: tuple = ()
+    received: tuple | None = None
+    entered: bool = False
+    idmap: dict = dataclasses.field(default_factory=dict)
+    keep: list = dataclasses.field(default_factory=list)
+
+    def substitute(self, leaves: list[Any]) -> list[Any]:
+        out = []
+        for x in leaves:
+            if isinstance(x, torch.Tensor) and x.device.type == "meta" and id(x) in self.idmap:
+                x = self.idmap[id(x)]
+            out.append(x)
+        return out
+
+
+def _entry_hook(rt: _Runtime, name: str) -> Callable:
+    def hook(_mod: nn.Module, args: tuple, kwargs: dict):
+        if rt.received is None:
+            return None
+        leaves, spec = tree_flatten((args, kwargs))
+        if name == rt.entry_name and not rt.entered:
+            pos = [i for i, x in enumerate(leaves) if isinstance(x, torch.Tensor)]
+            if len(pos) != len(rt.received):
+                raise PipelineSplitError(
+                    f"stage {rt.stage_index} begins at {name!r}, which was called with "
+                    f"{len(pos)} tensors, but {len(rt.received)} were received"
+                )
+            for i, r in zip(pos, rt.received):
+                rt.idmap[id(leaves[i])] = r
+                rt.keep.append(leaves[i])
+                leaves[i] = r
+            rt.entered = True
+        elif rt.idmap:
+            leaves = rt.substitute(leaves)
+        else:
+            return None
+        return tree_unflatten(leaves, spec)
+
+    return hook
+
+
+def _exit_hook(rt: _Runtime, name: str) -> Callable:
+    def hook(_mod: nn.Module, args: tuple, kwargs: dict):
+        leaves, _ = tree_flatten((args, kwargs))
+        leaves = rt.substitute(leaves) if rt.idmap else leaves
+        tensors = tuple(_plain(x) for x in leaves if isinstance(x, torch.Tensor))
+        for t in tensors:
+            if t.device.type == "meta":
+                raise PipelineSplitError(
+                    f"stage {rt.stage_index} ends where {name!r} begins, but one of the tensors "
+                    f"{name!r} receives was computed before stage {rt.stage_index}'s first module "
+                    "from values other than those received; a stage may only use what the "
+                    "previous stage sends (the arguments of its first module)"
+                )
+        raise _StageExit(tuple(t.contiguous() for t in tensors))
+
+    return hook
+
+
+def _install_forward(shell: nn.Module, rt: _Runtime, orig_forward: Callable) -> None:
+    is_first = rt.stage_index == 0
+    is_last = rt.stage_index == rt.num_stages - 1
+
+    def forward(*args: Any, **kwargs: Any) -> Any:
+        if is_first:
+            call_args, rt.received = args, None
+        else:
+            call_args, rt.received = meta_like(rt.meta_args), tuple(args)
+        rt.entered = False
+        try:
+            out = orig_forward(shell, *call_args, **kwargs)
+        except _StageExit as done:
+            return done.tensors
+        finally:
+            rt.received, rt.entered = None, False
+            rt.idmap.clear()
+            rt.keep.clear()
+        if not is_last:
+            raise PipelineSplitError(
+                f"stage {rt.stage_index}'s forward returned without reaching {rt.exit_name!r}, "
+                "where the next stage begins"
+            )
+        leaves, spec = tree_flatten(out)
+        leaves = [_plain(x) for x in leaves]
+        if any(isinstance(x, torch.Tensor) and x.device.type == "meta" for x in leaves):
+            raise PipelineSplitError(
+                "the model's output on the last stage depends on a value computed before the "
+                "last stage's first module that was not sent to it"
+            )
+        return tree_unflatten(leaves, spec)
+
+    shell.__dict__["forward"] = forward
+
+
+class _Stage(PipelineStage):
+    """torch's ``PipelineStage``; backward passes of all but the last micro-batch of a
+    step accumulate gradients without data-parallel communication (`no_sync`)."""
+
+    def backward_one_chunk(
+        self, bwd_chunk_id: int, loss=None, full_backward: bool = True, last_backward=False
+    ):  # noqa: E501
+        from vescale.dmodule._fsdp import no_sync
+
+        ctx = contextlib.nullcontext() if last_backward else no_sync(self.submod)
+        with ctx:
+            return super().backward_one_chunk(
+                bwd_chunk_id, loss=loss, full_backward=full_backward, last_backward=last_backward
+            )
+
+
+def _mesh_parts(mesh: DeviceMesh, pp_dim: str) -> tuple[int, int, Any, DeviceMesh | None]:
+    names = tuple(mesh.mesh_dim_names or ())
+    if pp_dim not in names:
+        raise ValueError(
+            f"the device mesh has no dim named {pp_dim!r} (its dims: {names or 'unnamed'}); "
+            "name the pipeline dim, e.g. init_device_mesh(..., mesh_dim_names=('pp', 'dp'))"
+        )
+    rest = tuple(n for n in names if n != pp_dim)
+    submesh = mesh[rest] if rest else None
+    return (
+        mesh.get_local_rank(pp_dim),
+        mesh.size(names.index(pp_dim)),
+        mesh.get_group(pp_dim),
+        submesh,
+    )
+
+
+class PipelineParallel:
+    """An unmodified model split into pipeline stages over the ``pp`` dim of a mesh.
+
+    Made by `pipeline_parallelize`. Each rank holds ``stages_per_rank`` stages
+    (``model_parts``); every stage module is the model's own class, holding that
+    stage's submodules under the unmodified model's names, so ``named_parameters()``
+    and ``state_dict()`` keys carry no stage prefix and checkpoints move between
+    pipeline layouts.
+
+    Attributes:
+        model_parts: This rank's stage modules (one, or two for interleaved 1F1B).
+        stage_indices: Their stage indices (rank ``r`` holds ``r, r + p, ...``).
+        num_stages: Total number of stages.
+        split_points: Module names where stages ``1 .. num_stages - 1`` begin.
+        microbatches: Micro-batches per `step`.
+        schedule: torch's schedule object.
+        submesh: The mesh without the ``pp`` dim that stages were parallelized over
+            (``None`` for a 1-D mesh).
+    """
+
+    def __init__(
+        self,
+        model_parts: list[nn.Module],
+        stages: list[PipelineStage],
+        schedule: Any,
+        *,
+        num_stages: int,
+        split_points: list[str],
+        microbatches: int,
+        pp_group: Any,
+        submesh: DeviceMesh | None,
+    ) -> None:
+        self.model_parts = model_parts
+        self.stages = stages
+        self.schedule = schedule
+        self.num_stages = num_stages
+        self.stage_indices = [s.stage_index for s in stages]
+        self.split_points = split_points
+        self.microbatches = microbatches
+        self.pp_group = pp_group
+        self.submesh = submesh
+
+    @property
+    def has_first_stage(self) -> bool:
+        """Whether this rank holds stage 0 (the one that takes the inputs)."""
+        return 0 in self.stage_indices
+
+    @property
+    def has_last_stage(self) -> bool:
+        """Whether this rank holds the last stage (the one that computes the loss)."""
+        return self.num_stages - 1 in self.stage_indices
+
+    def step(
+        self, *inputs: torch.Tensor, target: torch.Tensor | None = None
+    ) -> torch.Tensor | None:
+        """One forward and backward of a batch, split into ``microbatches`` along dim 0.
+
+        Every rank calls it with the same arguments (ranks without the first stage may
+        pass ``None`` inputs... but the batch shape must be the one given at
+        construction). Gradients accumulate into ``.grad`` as for
+        ``loss.backward()`` on the whole batch with a mean over micro-batches.
+
+        Args:
+            *inputs: The model's positional inputs for the whole batch (used by the
+                first stage).
+            target: The loss target for the whole batch (used by the last stage).
+
+        Returns:
+            On ranks holding the last stage, the loss: the mean of the micro-batch
+            losses (a detached 0-dim tensor). ``None`` elsewhere.
+        """
+        losses: list[torch.Tensor] | None = [] if self.has_last_stage else None
+        args = inputs if self.has_first_stage else ()
+        tgt = target if self.has_last_stage else None
+        self.schedule.step(*args, target=tgt, losses=losses)
+        if losses is None:
+            return None
+        return torch.stack([loss.detach() for loss in losses]).sum()
+
+    def parameters(self) -> Iterator[nn.Parameter]:
+        """Parameters of this rank's stages."""
+        for m in self.model_parts:
+            yield from m.parameters()
+
+    def named_parameters(self) -> Iterator[tuple[str, nn.Parameter]]:
+        """``(name, parameter)`` of this rank's stages, under the unmodified model's names."""
+        for m in self.model_parts:
+            yield from m.named_parameters()
+
+    def state_dict(self) -> dict[str, Any]:
+        """This rank's stages' state, keyed by the unmodified model's names."""
+        out: dict[str, Any] = {}
+        for m in self.model_parts:
+            out.update(m.state_dict())
+        return out
+
+    def zero_grad(self, set_to_none: bool = True) -> None:
+        """``zero_grad`` of every local stage."""
+        for m in self.model_parts:
+            m.zero_grad(set_to_none=set_to_none)
+
+    @torch.no_grad()
+    def clip_grad_norm_(self, max_norm: float, norm_type: float = 2.0) -> torch.Tensor:
+        """Clip the gradients of the whole model (all stages) by their total norm.
+
+        Each stage's norm is computed by `vescale.optim.get_total_norm` (any
+        placements over the stage's mesh), then combined over the ``pp`` group, so every
+        rank gets the norm of the whole model and scales its own gradients.
+
+        Returns:
+            The total norm of the whole model's gradients (before clipping).
+        """
+        from vescale.optim._clip import clip_grads_with_norm_, get_total_norm
+
+        p = float(norm_type)
+        grads = [q.grad for q in self.parameters() if q.grad is not None]
+        local = get_total_norm(grads, p) if grads else torch.zeros(())
+        local = local.to(torch.float64)
+        if p == float("inf"):
+            dist.all_reduce(local, op=dist.ReduceOp.MAX, group=self.pp_group)
+            total = local
+        else:
+            local = local**p
+            dist.all_reduce(local, group=self.pp_group)
+            total = local ** (1.0 / p)
+        total = total.to(torch.float32)
+        clip_grads_with_norm_(grads, max_norm, total)
+        return total
+
+
+def _schedule_key(schedule: str) -> str:
+    key = schedule.lower().replace("-", "").replace("_", "").replace(" ", "")
+    key = {"interleaved": "interleaved1f1b", "1f1binterleaved": "interleaved1f1b"}.get(key, key)
+    if key not in SCHEDULES:
+        raise ValueError(
+            f"unknown pipeline schedule {schedule!r}; choose one of 'gpipe', '1f1b', "
+            "'interleaved1f1b'"
+        )
+    return key
+
+
+def pipeline_parallelize(
+    model: nn.Module,
+    device_mesh: DeviceMesh,
+    *,
+    example_inputs: Sequence[torch.Tensor],
+    loss_fn: Callable[[torch.Tensor, torch.Tensor], torch.Tensor],
+    microbatches: int,
+    schedule: str = "1f1b",
+    pp_dim: str = "pp",
+    split_points: Sequence[str] | None = None,
+    stages_per_rank: int | None = None,
+    parallelize_fn: Callable[[nn.Module, DeviceMesh | None], nn.Module | None] | None = None,
+) -> PipelineParallel:
+    """Split ``model`` into pipeline stages over ``device_mesh[pp_dim]`` and build a schedule.
+
+    The model is not modified: each stage is a shell of the model's own class holding
+    that stage's submodules (the model's tensors are moved, not copied; keep using the
+    returned object, not ``model``). Stages begin at ``split_points`` (module names
+    called once per forward, in forward order) or, by default, at blocks of the
+    model's largest ``nn.ModuleList`` chosen to balance parameter counts. The modules
+    called before the first split point (embeddings) join stage 0, those after the
+    last block (final norm, head) the last stage. Only the tensor arguments of a
+    stage's first module travel between stages.
+
+    Args:
+        model: The unmodified single-device model (real or meta tensors).
+        device_mesh: A mesh with a dim named ``pp_dim``; the other dims form the
+            submesh each stage is parallelized over.
+        example_inputs: The model's positional inputs for one whole batch (shapes and
+            dtypes only; every `PipelineParallel.step` takes a batch of this shape).
+        loss_fn: ``loss_fn(output, target)`` of one micro-batch, a mean over its samples;
+            the step's loss is the mean over micro-batches (equal to ``loss_fn`` of the
+            whole batch when the batch splits evenly).
+        microbatches: Micro-batches per step; must divide the batch size.
+        schedule: ``"gpipe"``, ``"1f1b"`` or ``"interleaved1f1b"``.
+        pp_dim: Name of the pipeline mesh dim.
+        split_points: Module names where stages 1, 2, ... begin (``None``: automatic).
+        stages_per_rank: Stages per rank (default 1; 2 for interleaved 1F1B, which
+            needs at least 2).
+        parallelize_fn: ``fn(stage_module, submesh)`` called once per local stage
+            before the pipeline is built, e.g.
+            ``lambda m, mesh: DModule(m, mesh, plan, data_parallel={"dp": "fsdp"})``.
+
+    Returns:
+        The `PipelineParallel` runner.
+    """
+    key = _schedule_key(schedule)
+    schedule_cls, default_v = SCHEDULES[key]
+    v = default_v if stages_per_rank is None else int(stages_per_rank)
+    if v < 1 or (key != "interleaved1f1b" and v != 1):
+        raise ValueError(
+            f"schedule {schedule!r} runs one stage per rank, got stages_per_rank={v}; "
+            "use 'interleaved1f1b' for more"
+        )
+    if key == "interleaved1f1b" and v < 2:
+        raise ValueError("interleaved 1F1B needs stages_per_rank >= 2")
+    inputs = tuple(example_inputs)
+    if not inputs or not all(isinstance(t, torch.Tensor) for t in inputs):
+        raise TypeError("example_inputs must be a non-empty sequence of tensors (one batch)")
+    m = int(microbatches)
+    batch = inputs[0].shape[0]
+    if m < 1 or batch % m:
+        raise ValueError(
+            f"microbatches={microbatches} must be >= 1 and divide the batch size {batch} "
+            "(every micro-batch has the same shape)"
+        )
+    pp_rank, pp_size, pp_group, submesh = _mesh_parts(device_mesh, pp_dim)
+    n = pp_size * v
+    if key == "interleaved1f1b" and m % pp_size:
+        raise ValueError(
+            f"interleaved 1F1B needs microbatches ({m}) to be a multiple of the pipeline "
+            f"size ({pp_size})"
+        )
+    mb_args = tuple(t[: batch // m] for t in inputs)
+    trace = trace_model(model, mb_args, {})
+    if split_points is None:
+        points = auto_split_points(model, n) if n > 1 else []
+    else:
+        points = list(split_points)
+    points = check_split_points(model, points, trace, n)
+    owner = stage_of_modules(model, points, trace)
+
+    out_leaves, _ = tree_flatten(trace.output)
+    if not out_leaves or not all(isinstance(x, torch.Tensor) for x in out_leaves):
+        raise PipelineSplitError("the model's output must be a tensor or a tuple of tensors")
+
+    def stage_io(s: int) -> tuple[tuple, tuple]:
+        ins = mb_args if s == 0 else tuple(trace.arg_leaves[points[s - 1]])
+        outs = tuple(out_leaves) if s == n - 1 else tuple(trace.arg_leaves[points[s]])
+        return ins, outs
+
+    device = torch.device(device_mesh.device_type)
+    if device.type == "cuda":
+        device = torch.device("cuda", torch.cuda.current_device())
+
+    parts: list[nn.Module] = []
+    stages: list[PipelineStage] = []
+    orig_forward = type(model).forward
+    for s in range(pp_rank, n, pp_size):
+        built = build_stage_module(model, s, owner)
+        part = built.module
+        rt = _Runtime(
+            stage_index=s,
+            num_stages=n,
+            entry_name=points[s - 1] if s > 0 else None,
+            exit_name=points[s] if s < n - 1 else None,
+            meta_args=mb_args,
+        )
+        _install_forward(part, rt, orig_forward)
+        if parallelize_fn is not None:
+            res = parallelize_fn(part, submesh)
+            if res is not None and res is not part:
+                raise TypeError(
+                    "parallelize_fn must parallelize the stage module in place (DModule, "
+                    "fully_shard and replicate do) and return it or None"
+                )
+        if s > 0:
+            for name, mod in built.entry_modules.items():
+                mod.register_forward_pre_hook(_entry_hook(rt, name), prepend=True, with_kwargs=True)
+            if rt.entry_name not in built.entry_modules:
+                raise PipelineSplitError(
+                    f"split point {rt.entry_name!r} is not wholly on stage {s}"
+                )
+        if s < n - 1:
+            exit_mod = _find_ghost(built.ghosts, rt.exit_name)
+            exit_mod.register_forward_pre_hook(_exit_hook(rt, rt.exit_name), with_kwargs=True)
+        ins, outs = stage_io(s)
+        stage = _Stage(
+            part,
+            s,
+            n,
+            device,
+            input_args=tuple(_example(t, device) for t in ins),
+            output_args=tuple(_example(t, device) for t in outs),
+            group=pp_group,
+        )
+        parts.append(part)
+        stages.append(stage)
+
+    def scaled_loss(out: torch.Tensor, tgt: torch.Tensor) -> torch.Tensor:
+        return loss_fn(out, tgt) / m
+
+    if key == "interleaved1f1b":
+        sched = schedule_cls(stages, n_microbatches=m, loss_fn=scaled_loss, scale_grads=False)
+    else:
+        sched = schedule_cls(stages[0], n_microbatches=m, loss_fn=scaled_loss, scale_grads=False)
+    return PipelineParallel(
+        parts,
+        stages,
+        sched,
+        num_stages=n,
+        split_points=points,
+        microbatches=m,
+        pp_group=pp_group,
+        submesh=submesh,
+    )
+
+
+def _example(t: torch.Tensor, device: torch.device) -> torch.Tensor:
+    out = torch.empty(t.shape, dtype=t.dtype, device=device)
+    return out.requires_grad_(t.requires_grad) if out.is_floating_point() else out
+
+
+def _find_ghost(ghosts: dict[str, nn.Module], name: str) -> nn.Module:
+    for gname, g in ghosts.items():
+        if name == gname:
+            return g
+        if name.startswith(gname + "."):
+            return g.get_submodule(name[len(gname) + 1 :])
+    raise PipelineSplitError(f"split point {name!r} is not a module of another stage")
