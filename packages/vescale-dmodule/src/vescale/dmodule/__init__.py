@@ -36,26 +36,6 @@ from vescale.dmodule._pipeline import PipelineParallel, pipeline_parallelize
 from vescale.dmodule._pipeline_split import PipelineSplitError
 from vescale.dmodule._plan import SECTIONS, PlanSectionError
 from vescale.dmodule._torch_styles import TorchStyleError
-from vescale.dmodule._cost_model import (
-    DeviceSpec,
-    Estimate,
-    Layout,
-    Link,
-    ModelProfile,
-    estimate,
-    probe_device,
-    profile_model,
-    saved_activation_bytes,
-)
-from vescale.dmodule._reshard import ReshardError, reshard
-from vescale.dmodule._strategy import (
-    NoLayoutFitsError,
-    StrategyChoice,
-    apply_layout,
-    get_strategy,
-    layout_of,
-    search,
-)
 
 __all__ = [
     "__version__",
@@ -77,21 +57,7 @@ __all__ = [
     "ReplicatedModule",
     "dp_memory_bytes",
     "apply_activation_checkpointing",
-    "Layout",
-    "Link",
-    "DeviceSpec",
-    "ModelProfile",
-    "Estimate",
-    "StrategyChoice",
-    "NoLayoutFitsError",
-    "profile_model",
-    "probe_device",
-    "estimate",
-    "search",
-    "apply_layout",
-    "get_strategy",
-    "layout_of",
-    "saved_activation_bytes",
-    "reshard",
-    "ReshardError",
+    "pipeline_parallelize",
+    "PipelineParallel",
+    "PipelineSplitError",
 ]
