@@ -66,6 +66,8 @@ __all__ = [
     "install_unsafe_view_rule",
     "install_state_dict_rules",
     "check_torch_internals",
+    "set_random_op_handler",
+    "TorchDispatchMode",
 ]
 
 
@@ -1741,3 +1743,57 @@ def seed_dtensor_rng(seed: int, mesh: DeviceMesh) -> bool:
         return False
     seed_fn(seed, mesh)
     return True
+
+
+# ------------------------------------------------------------------ random ops
+RANDOM_OP_HANDLERS = "DTensor OpDispatcher._custom_op_handlers (random ops drawn as on one device)"
+_RANDOM_HANDLERS_OK = _INTERNALS.probe(
+    RANDOM_OP_HANDLERS,
+    lambda: (
+        None
+        if isinstance(
+            getattr(getattr(DTensor, "_op_dispatcher", None), "_custom_op_handlers", None), dict
+        )
+        else "is missing"
+    ),
+    instead="random ops on sharded DTensors draw torch's per-shard values, not the one-device ones",
+)
+
+
+def set_random_op_handler(ops: Sequence[Any], handler: Callable | None) -> bool:
+    """Route torch's DTensor dispatch of ``ops`` to ``handler(op, args, kwargs)``.
+
+    ``handler=None`` removes the routes (torch's own random-op path again).
+
+    Returns:
+        Whether this torch offers the hook (``False``: nothing changed).
+    """
+    if not _RANDOM_HANDLERS_OK:
+        return False
+    table = DTensor._op_dispatcher._custom_op_handlers
+    for op in ops:
+        if handler is None:
+            if getattr(table.get(op), "_vescale_rng", False):
+                del table[op]
+        else:
+            table[op] = handler
+    return True
+
+
+def _import_dispatch_mode() -> tuple[Any, str | None]:
+    try:
+        from torch.utils._python_dispatch import TorchDispatchMode as mode
+    except ImportError as exc:
+        return None, f"cannot be imported: {exc}"
+    if not callable(getattr(mode, "__enter__", None)):
+        return None, "has no __enter__"
+    return mode, None
+
+
+TorchDispatchMode, _mode_problem = _import_dispatch_mode()
+DISPATCH_MODE_OK = _INTERNALS.probe(
+    "torch.utils._python_dispatch.TorchDispatchMode",
+    lambda: _mode_problem,
+    instead="vescale.dtensor.random.data_parallel_rng raises NotImplementedError",
+    required=True,
+)

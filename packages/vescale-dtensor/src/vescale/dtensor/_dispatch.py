@@ -17,7 +17,7 @@ import torch
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor, Partial, Placement, Replicate
 
-from vescale.dtensor import _compat
+from vescale.dtensor import _compat, _rng
 from vescale.dtensor._compat import (
     OpOverload,
     dtensor_spec,
@@ -511,6 +511,8 @@ class PluginDTensor(DTensor):
     @classmethod
     def __torch_dispatch__(cls, func, types, args=(), kwargs=None):  # type: ignore[override]
         kwargs = kwargs or {}
+        if func in _rng.RANDOM_OPS:
+            return _rng.draw(func, args, kwargs)
         if func in _NEW_LIKE:
             out = _new_like(func, args, kwargs)
             if out is not _MISS:
@@ -771,5 +773,6 @@ def install_patches() -> None:
     _compat.install_cpu_attention_rules()
     _compat.install_unsafe_view_rule()
     _compat.install_state_dict_rules(has_plugin_placement, _distribute_full, _fill_local)
+    _rng.enable(True)
     DTensor.redistribute = _patched_redistribute  # type: ignore[method-assign]
     DTensor.from_local = staticmethod(_patched_from_local)  # type: ignore[method-assign]
