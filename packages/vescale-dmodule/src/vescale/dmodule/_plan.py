@@ -31,8 +31,8 @@ __all__ = [
     "resolve_plan",
 ]
 
-#: Allowed top-level sections of a sharding plan.
 SECTIONS = ("parameter", "forward")
+"""Allowed top-level sections of a sharding plan."""
 _IO_SUFFIXES = ("input", "output")
 _FORWARD_KEY_HELP = (
     "forward plan key {key!r} must end with '.input' or '.output' (or be 'input'/'output' "

@@ -70,8 +70,12 @@ class StepContext:
     rank: int
 
 
-#: A step moves a local tensor from ``ctx.src`` to ``ctx.dst`` on one mesh dim.
 RedistributeStep = Callable[[torch.Tensor, StepContext], torch.Tensor]
+"""`step(local, ctx) -> new_local`: moves a local tensor from `ctx.src` to `ctx.dst` on one mesh dim.
+
+Answered by the `vescale_redistribute_step` hook; see [Writing plugins](../plugins.md#3-direct-steps-optional-for-speed)
+for the full contract (autograd, collectives, empty pieces).
+"""
 
 
 def is_sharding(p: Placement) -> bool:

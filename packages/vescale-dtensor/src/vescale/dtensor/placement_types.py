@@ -29,15 +29,16 @@ __all__ = [
     "normalize_placements",
 ]
 
-#: Op families a plugin placement may declare as running locally on its shards.
-#:
-#: - ``"pointwise"``: element-wise ops (``torch.Tag.pointwise``) whose DTensor operands
-#:   all have the same spec (mesh, placements, global shape); scalars and 0-dim plain
-#:   tensors may join. In-place and out-of-place.
-#: - ``"foreach"``: ``_foreach_*`` ops whose i-th DTensor operands share one spec.
-#: - ``"full_reduction"``: ``sum``/``mean`` over all elements; the result is ``Partial``
-#:   on the placement's mesh dim. Only valid when every element lives on exactly one rank.
 OP_FAMILIES = frozenset({"pointwise", "foreach", "full_reduction"})
+"""Op families a plugin placement may declare as running locally on its shards.
+
+- `"pointwise"`: element-wise ops (`torch.Tag.pointwise`) whose DTensor operands
+  all have the same spec (mesh, placements, global shape); scalars and 0-dim plain
+  tensors may join. In-place and out-of-place.
+- `"foreach"`: `_foreach_*` ops whose i-th DTensor operands share one spec.
+- `"full_reduction"`: `sum`/`mean` over all elements; the result is `Partial`
+  on the placement's mesh dim. Only valid when every element lives on exactly one rank.
+"""
 
 
 class PluginPlacement(Placement):

@@ -17,9 +17,24 @@ if TYPE_CHECKING:
     from vescale.dtensor._redistribute import RedistributeStep
 
 PROJECT_NAME = "vescale"
+"""pluggy project name of every vescale hook, and the name of the entry-point group."""
 
 hookspec = pluggy.HookspecMarker(PROJECT_NAME)
+"""`pluggy.HookspecMarker("vescale")`: marks a hook specification (in a `hookspecs.py`)."""
+
 hookimpl = pluggy.HookimplMarker(PROJECT_NAME)
+"""`pluggy.HookimplMarker("vescale")`: marks a plugin's hook implementation.
+
+Example:
+    ```python
+    from vescale.dtensor import hookimpl
+
+
+    @hookimpl
+    def vescale_register_placements():
+        return [MyPlacement]
+    ```
+"""
 
 
 @hookspec(historic=True)
