@@ -3,7 +3,10 @@
 1. ZeRO: ``DistributedOptimizer(AdamW)`` vs DDP-like plain replication (every rank runs
    ``torch.optim.AdamW`` on the full parameters after an all-reduce of the gradients),
    same parameters and gradients, alternating. Reports per-rank optimizer-state bytes
-   (+ master) against ``8 * P`` (replicated fp32 AdamW state) and step time.
+   (+ master) against ``8 * P`` (replicated fp32 AdamW state) and step time. Also torch's
+   own ZeRO-1 peer, ``torch.distributed.optim.ZeroRedundancyOptimizer(AdamW)`` after the
+   same gradient all-reduce: step time ratio, state per rank, and the largest parameter
+   difference of the three sides after the same steps.
 2. Muon: ``vescale.optim.Muon`` (each matrix gathered to one load-balanced root rank)
    vs the naive approach where every rank all-gathers every matrix and runs
    Newton–Schulz on all of them. Reports step time and the ratio.
@@ -72,10 +75,39 @@ def _zero_body(mparams: float, iters: int):
             b.grad = piece.view(b.shape)
         base_opt.step()
 
-    t_ours, t_base = [], []
+    # torch's peer: ZeroRedundancyOptimizer(AdamW) (ZeRO-1: each rank steps its shard of
+    # the parameters, then broadcasts it) after the same gradient all-reduce as DDP
+    from torch.distributed.optim import ZeroRedundancyOptimizer
+
+    zs = [torch.nn.Parameter(t.clone()) for t in full]
+    zero_opt = ZeroRedundancyOptimizer(zs, optimizer_class=torch.optim.AdamW, lr=1e-3)
+
+    def zero():
+        flat = torch.cat([g.reshape(-1) for g in grads])
+        dist.all_reduce(flat)
+        flat /= n
+        for z, piece in zip(zs, flat.split([g.numel() for g in grads])):
+            z.grad = piece.view(z.shape)
+        zero_opt.step()
+
+    t_ours, t_base, t_zero = [], [], []
     for _ in range(2):  # alternate
         t_ours.append(_time(ours, iters))
         t_base.append(_time(base, iters))
+        t_zero.append(_time(zero, iters))
+    # every side ran the same steps on the same gradients: same parameters
+    max_diff = max(
+        max((p.full_tensor() - b).abs().max().item(), (z - b).abs().max().item())
+        for p, b, z in zip(ps, bs, zs)
+    )
+    state_zero = sum(
+        v.numel() * v.element_size()
+        for st in zero_opt.optim.state.values()
+        for k, v in st.items()
+        if torch.is_tensor(v) and k != "step"
+    )
+    gathered = [None] * n  # ZeroRedundancyOptimizer's shards are uneven: report the largest
+    dist.all_gather_object(gathered, state_zero)
     state_ours = sum(
         v.numel() * v.element_size()
         for st in opt.state.values()
@@ -92,8 +124,11 @@ def _zero_body(mparams: float, iters: int):
         "P": P,
         "ours_s": min(t_ours),
         "base_s": min(t_base),
+        "zero_s": min(t_zero),
         "state_ours": state_ours,
         "state_base": state_base,
+        "state_zero": max(gathered),
+        "max_param_diff": max_diff,
     }
 
 
@@ -197,6 +232,7 @@ def _overlap_body(mparams: float, layers: int, batch: int, iters: int, bucket_mb
         opt.step()
         out = model(x)  # with overlap: waits for each layer's bucket right before it
         times.append(time.perf_counter() - t0)
+        opt.zero_grad()  # ZeRO-2 released the gradients in step()
         out.square().mean().backward()  # gradients for the next step
 
     for _ in range(iters + 1):  # alternate configs; the first round is warm-up
@@ -263,6 +299,32 @@ def main() -> None:
             unit="ms",
             memory=f"{human_bytes(z['state_ours'])} (torch {human_bytes(z['state_base'])})",
             target="state ≈ 1/N of torch",
+        )
+    print()
+    print(
+        "ZeRO-1 peers: DistributedOptimizer(AdamW) (reduce-scatter, sharded step, all-gather) vs "
+        "torch ZeroRedundancyOptimizer(AdamW) (all-reduce, sharded step, broadcasts); both send "
+        "about 2 (N-1)/N of the fp32 gradient bytes for the gradients"
+    )
+    print(
+        f"{'ranks':>5} {'state/rank ours':>16} {'state/rank ZeRO':>16} {'step ours':>10} "
+        f"{'step ZeRO':>10} {'time ratio':>10} {'max |param diff|':>17}"
+    )
+    for n, z, _, _ in rows:
+        print(
+            f"{n:>5} {z['state_ours']:>16,} {z['state_zero']:>16,} {z['ours_s'] * 1e3:>8.1f}ms "
+            f"{z['zero_s'] * 1e3:>8.1f}ms {z['ours_s'] / z['zero_s']:>10.2f} "
+            f"{z['max_param_diff']:>17.2e}"
+        )
+        emit(
+            "optimizer",
+            f"DistributedOptimizer(AdamW) vs torch ZeroRedundancyOptimizer(AdamW), N={n}",
+            "ms per step (gradient sync + sharded step + parameter sync)",
+            z["ours_s"] * 1e3,
+            z["zero_s"] * 1e3,
+            unit="ms",
+            memory=f"{human_bytes(z['state_ours'])} (torch {human_bytes(z['state_zero'])})",
+            target="≤ 1 (no slower at equal bytes)",
         )
     print()
     print(

@@ -1,0 +1,335 @@
+"""Cut placement: the even layout planned as cuts in the unpadded data (fast planner).
+
+See `vescale.ragged._planner` for the layout rules and `_layout_even_cuts` for the
+slice-length bound.
+"""
+
+from __future__ import annotations
+
+import bisect
+import itertools
+import math
+
+
+class _Grid:
+    """Cut points of a buffer's data, without padding (data positions ``0..D``).
+
+    The nonzero parameters tile ``[0, D)``. A *boundary* is a position where a cut may
+    fall: a parameter's start or end, or a unit boundary inside it (a multiple of its
+    step from its start). A *parameter boundary* is a start or an end.
+    """
+
+    def __init__(self, sizes: list[int], steps: list[int]) -> None:
+        self.offsets: list[int] = []
+        self.starts: list[int] = []
+        self.ends: list[int] = []
+        self.steps: list[int] = []
+        pos = 0
+        for size, step in zip(sizes, steps):
+            self.offsets.append(pos)
+            if size > 0:
+                self.starts.append(pos)
+                self.ends.append(pos + size)
+                self.steps.append(step)
+            pos += size
+        self.total = pos
+
+    def _find(self, x: int) -> int:
+        """Index of the nonzero parameter holding data position ``0 <= x < D``."""
+        return bisect.bisect_right(self.starts, x) - 1
+
+    def inside(self, x: int) -> int:
+        """The parameter with ``start < x < end``, or ``-1``."""
+        if x <= 0 or x >= self.total:
+            return -1
+        i = self._find(x)
+        return i if self.starts[i] < x else -1
+
+    def floor(self, x: int) -> int:
+        """The largest boundary ``<= x``."""
+        if x >= self.total:
+            return self.total
+        if x <= 0:
+            return 0
+        i = self._find(x)
+        s, g = self.starts[i], self.steps[i]
+        return s + (x - s) // g * g
+
+    def ceil(self, x: int) -> int:
+        """The smallest boundary ``>= x``."""
+        if x <= 0:
+            return 0
+        if x >= self.total:
+            return self.total
+        i = self._find(x)
+        s, g = self.starts[i], self.steps[i]
+        return min(s - (s - x) // g * g, self.ends[i])
+
+    def param_floor(self, x: int) -> int:
+        """The largest parameter boundary ``<= x``."""
+        return self.total if x >= self.total else self.starts[self._find(x)]
+
+    # A slice ``[a, b]`` of the data is usable in a slice of length ``S`` iff ``a`` and
+    # ``b`` are boundaries, ``b - a <= S`` and, when ``b - a < S``, a parameter boundary
+    # lies in ``[a, b]`` (the slice's padding goes there; never inside a parameter).
+    # So a slice that starts and ends strictly inside one parameter holds exactly ``S``.
+    def forward(self, a: int, s: int) -> tuple[int, int] | None:
+        """Boundaries ``b`` that may end a slice starting at ``a``: ``[lo, hi]``; ``None``: none."""
+        reach = a + s
+        i = self.inside(a)
+        if i >= 0 and reach < self.ends[i]:
+            if (reach - self.starts[i]) % self.steps[i]:
+                return None
+            return reach, reach
+        return (self.ends[i] if i >= 0 else a), self.floor(reach)
+
+    def backward(self, b: int, s: int) -> tuple[int, int] | None:
+        """Boundaries ``a`` that may start a slice ending at ``b``: ``[lo, hi]``; ``None``: none."""
+        reach = b - s
+        i = self.inside(b)
+        if i >= 0 and reach > self.starts[i]:
+            if (reach - self.starts[i]) % self.steps[i]:
+                return None
+            return reach, reach
+        return self.ceil(reach), (self.starts[i] if i >= 0 else b)
+
+    def nearest(self, t: int, lo: int, hi: int) -> int:
+        """The boundary in ``[lo, hi]`` (both boundaries) nearest ``t``."""
+        x = min(max(t, lo), hi)
+        f, c = self.floor(x), self.ceil(x)
+        if f < lo:
+            return c
+        if c > hi:
+            return f
+        return f if x - f <= c - x else c
+
+
+def _furthest(grid: _Grid, s: int, n: int) -> tuple[list[int] | None, int, int]:
+    """Cuts placed as far right as the rules allow, with slices of ``s``.
+
+    Returns ``(cuts, -1, 0)`` on success (``cuts[0] = 0``, ``cuts[n] = D``), else
+    ``(None, i, 0)`` when the cuts ran into parameter ``i`` off its grid (it holds two
+    cuts and ``s`` is not a multiple of its step), or ``(None, -1, short)`` when the
+    last slice is ``short`` elements too long.
+    """
+    cuts = [0]
+    prev = 0
+    for _ in range(n - 1):
+        allowed = grid.forward(prev, s)
+        if allowed is None:
+            return None, grid.inside(prev), 0
+        prev = allowed[1]
+        cuts.append(prev)
+    if grid.total - prev > s:
+        return None, -1, grid.total - prev - s
+    cuts.append(grid.total)
+    return cuts, -1, 0
+
+
+def _balanced(grid: _Grid, s: int, n: int, bound: list[int], reverse: bool) -> list[int] | None:
+    """Cuts nearest the even share of what is left, kept feasible by ``bound``.
+
+    Forward (``reverse=False``): cut ``r`` is the allowed boundary nearest
+    ``prev + (D - prev) / (n - r + 1)`` and at least ``bound[r]`` (the backward-furthest
+    cut, from which the rest still fits). ``reverse=True`` mirrors it from the end (then
+    ``bound`` holds the forward-furthest cuts, an upper bound).
+    """
+    d = grid.total
+    if not reverse:
+        cuts = [0]
+        prev = 0
+        for r in range(1, n):
+            allowed = grid.forward(prev, s)
+            if allowed is None:
+                return None
+            lo, hi = max(allowed[0], bound[r]), allowed[1]
+            if lo > hi:
+                return None
+            prev = grid.nearest(prev + (d - prev) // (n - r + 1), lo, hi)
+            cuts.append(prev)
+        if d - prev > s:
+            return None
+        cuts.append(d)
+        return cuts
+    cuts = [d]
+    nxt = d
+    for r in range(n - 1, 0, -1):
+        allowed = grid.backward(nxt, s)
+        if allowed is None:
+            return None
+        lo, hi = allowed[0], min(allowed[1], bound[r])
+        if lo > hi:
+            return None
+        nxt = grid.nearest(nxt - nxt // (r + 1), lo, hi)
+        cuts.append(nxt)
+    if nxt > s:
+        return None
+    cuts.append(0)
+    cuts.reverse()
+    return cuts
+
+
+def _verified(grid: _Grid, s: int, n: int, furthest: list[int]) -> list[int] | None:
+    """Forward balanced cuts, each checked to leave a suffix that still fits.
+
+    For when the bound-driven passes fail (a parameter holds two cuts while ``s`` is
+    not a multiple of its step, so the furthest-right rule is not monotone). A known
+    feasible chain ``chain[r:]`` is kept (first the furthest-right cuts); a candidate
+    cut is accepted when the furthest-right cuts from it rejoin that chain or reach
+    the end. Candidates move from the target toward the chain's own cut, which is
+    always accepted.
+    """
+    d = grid.total
+    chain = list(furthest)
+
+    def follow(r: int, c: int) -> list[int] | None:
+        path = [c]
+        for j in range(r + 1, n):
+            if path[-1] == chain[j - 1] and j - 1 > r:
+                return path[:-1] + chain[j - 1 :]
+            allowed = grid.forward(path[-1], s)
+            if allowed is None:
+                return None
+            path.append(allowed[1])
+        if d - path[-1] > s:
+            return None
+        return path + [d]
+
+    prev = 0
+    for r in range(1, n):
+        allowed = grid.forward(prev, s)
+        if allowed is None:  # pragma: no cover - the chain's cut is always allowed
+            return None
+        lo, hi = allowed[0], min(allowed[1], chain[r]) if chain[r] >= allowed[0] else allowed[1]
+        target = prev + (d - prev) // (n - r + 1)
+        c = grid.nearest(target, lo, hi)
+        for _ in range(24):
+            if c == chain[r]:
+                break
+            path = follow(r, c)
+            if path is not None:
+                chain[r:] = path
+                break
+            c = grid.nearest((c + chain[r] + 1) // 2, min(c, chain[r]), max(c, chain[r]))
+        else:
+            c = chain[r]
+        prev = c
+    return chain
+
+
+def _usable(grid: _Grid, cuts: list[int], s: int) -> bool:
+    """Every slice ``[cuts[r], cuts[r + 1]]`` obeys the slice rules for length ``s``."""
+    for a, b in itertools.pairwise(cuts):
+        allowed = grid.forward(a, s)
+        if allowed is None or not allowed[0] <= b <= allowed[1] or grid.floor(b) != b:
+            return False
+    return True
+
+
+def _spread(cuts: list[int]) -> tuple[float, int]:
+    loads = [b - a for a, b in itertools.pairwise(cuts)]
+    lo, hi = min(loads), max(loads)
+    return (math.inf if lo == 0 else hi / lo), hi - lo
+
+
+def _slice_length(grid: _Grid, n: int) -> tuple[int, list[int]]:
+    """The slice length ``S`` and the furthest-right cuts that fit it.
+
+    ``S`` is searched upward from ``ceil(D / N)``; each failure of the furthest-right
+    placement says how far to move: by the shortfall over ``N`` when the last slice is
+    too long, to the next multiple of a parameter's step when that parameter must hold
+    two cuts. The search stops at ``S1``, which always fits (see `_layout_even_cuts`).
+    """
+    d = grid.total
+    g = max(grid.steps)
+    s0 = -(-(d + (n - 1) * (g - 1)) // n)
+    lcm = math.lcm(1, *(st for a, b, st in zip(grid.starts, grid.ends, grid.steps) if b - a > s0))
+    s1 = -(-s0 // lcm) * lcm
+    s = -(-d // n)
+    for _ in range(512):
+        if s >= s1:
+            break
+        cuts, i, short = _furthest(grid, s, n)
+        if cuts is not None:
+            return s, cuts
+        if i >= 0:
+            step = grid.steps[i]
+            if grid.ends[i] - grid.starts[i] > 2 * (s + step):
+                s = (s // step + 1) * step  # it holds two cuts at any offset
+            else:
+                s += max(1, step // n)
+        else:
+            s += max(1, short // n)
+    cuts, _, _ = _furthest(grid, s1, n)
+    if cuts is None:  # pragma: no cover - S1 always fits
+        raise RuntimeError("flat-buffer planner: the guaranteed slice length did not fit")
+    return s1, cuts
+
+
+def _layout_even_cuts(
+    sizes: list[int], steps: list[int], n: int
+) -> tuple[list[int], list[tuple[int, int]]]:
+    """Offsets and rank ranges of the rank-padded layout (all slices of length ``S``).
+
+    The plan is made on the data alone (positions ``0..D``, no padding): choose ``S``
+    and cuts ``0 = c0 <= c1 <= ... <= cN = D`` at boundaries (see `_Grid`) with
+    every slice ``[c_r, c_r+1]`` holding ``d_r <= S`` elements and, when ``d_r < S``, a
+    parameter boundary where its ``S - d_r`` padding elements go. The buffer is then the
+    data with that padding inserted: rank ``r``'s slice is ``[r * S, (r + 1) * S)`` and
+    the padding is ``N * S - D``, set by ``S`` alone.
+
+    ``S`` (`_slice_length`): let ``G`` be the largest step of the buffer,
+    ``S0 = ceil((D + (N - 1) * (G - 1)) / N)``, ``L`` the lcm of the steps of the
+    parameters longer than ``S0`` (1 if none) and ``S1`` the first multiple of ``L``
+    ``>= S0``. With ``S1`` the furthest-right cuts always fit: every parameter that can
+    hold two cuts has a step dividing ``S1`` (no dead end) and each cut loses less than
+    ``G`` against ``r * S1``. So the padding is at most ``(N - 1) * G + N * (L - 1)``,
+    i.e. ``(N - 1) * G`` when ``L = 1``; the search usually finds a smaller ``S``.
+
+    Cuts for that ``S``: the forward and backward balanced placements
+    (`_balanced`), the one with the better ``max / min`` load, else the
+    furthest-right cuts.
+    """
+    grid = _Grid(sizes, steps)
+    d = grid.total
+    if d == 0:
+        return [0] * len(sizes), [(0, 0)] * n
+    s, furthest = _slice_length(grid, n)
+    backward = [0] * (n + 1)
+    backward[n] = d
+    for r in range(n - 1, 0, -1):
+        allowed = grid.backward(backward[r + 1], s)
+        if allowed is None:
+            break
+        backward[r] = allowed[0]
+    best = furthest
+    for cand in (
+        _balanced(grid, s, n, backward, reverse=False),
+        _balanced(grid, s, n, furthest, reverse=True),
+    ):
+        if cand is not None and _usable(grid, cand, s) and _spread(cand) < _spread(best):
+            best = cand
+    if best is furthest:
+        cand = _verified(grid, s, n, furthest)
+        if cand is not None and _usable(grid, cand, s) and _spread(cand) < _spread(best):
+            best = cand
+    return _place(grid, best, s), [(r * s, (r + 1) * s) for r in range(n)]
+
+
+def _place(grid: _Grid, cuts: list[int], s: int) -> list[int]:
+    """Buffer offsets: slice ``r``'s padding goes at the last parameter boundary of it."""
+    pads = []  # (data position, elements), in order
+    for a, b in itertools.pairwise(cuts):
+        if b - a < s:
+            at = grid.param_floor(b)
+            assert a <= at, "slice padding has no parameter boundary"
+            pads.append((at, s - (b - a)))
+    offsets = []
+    k = 0
+    shift = 0
+    for off in grid.offsets:
+        while k < len(pads) and pads[k][0] <= off:
+            shift += pads[k][1]
+            k += 1
+        offsets.append(off + shift)
+    return offsets

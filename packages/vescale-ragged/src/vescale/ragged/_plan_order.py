@@ -1,0 +1,117 @@
+"""Order search of the flat-buffer planner (``order="auto"``): the orders it tries.
+
+See `vescale.ragged._planner` for the layout rules.
+"""
+
+from __future__ import annotations
+
+import math
+
+from vescale.ragged._plan_pads import _is_tight
+
+
+def _candidate_orders(sizes: list[int], steps: list[int], n: int) -> list[list[int]]:
+    """Orders tried by ``order="auto"`` (the given one first).
+
+    The bridged order (`_bridged_order`, a fine parameter across every cut);
+    coarse units first, by unit then size (one-element-unit parameters first or last),
+    and by size alone: parameters of one unit then sit on that unit's grid from the
+    buffer start, so fewer of them need padding to hold a cut.
+    """
+    idx = range(len(sizes))
+
+    def unit(i: int) -> int:
+        return steps[i] if _is_tight(sizes[i], steps[i]) else 1
+
+    out = [list(idx)]
+    bridged = _bridged_order(sizes, steps, n)
+    if bridged is not None:
+        out.append(bridged)
+    out.append(sorted(idx, key=lambda i: (unit(i) == 1, -unit(i), -sizes[i], i)))
+    out.append(sorted(idx, key=lambda i: (-sizes[i], i)))
+    out.append(sorted(idx, key=lambda i: (unit(i) != 1, -unit(i), -sizes[i], i)))
+    return out
+
+
+def _bridged_order(sizes: list[int], steps: list[int], n: int) -> list[int] | None:
+    """An order that puts a one-element-unit parameter across every even-share cut.
+
+    Walks the targets ``r * S`` (``S``: ``ceil(D / N)`` rounded up to the unit of every
+    parameter longer than two slices): places the parameters longer than a slice first,
+    then fills each stretch with the largest coarse parameters that fit, then with fine
+    (one-element-unit) ones, and lets a fine one straddle the target, so the cut can fall
+    exactly there. A coarse parameter that has to straddle a target gets fine ones in
+    front of it (when they sum exactly to the shift needed) so that the target falls on
+    one of its unit boundaries. ``None`` when there are no fine or no coarse parameters.
+    """
+    tight = [_is_tight(l, g) for l, g in zip(sizes, steps)]
+    fine = sorted((i for i, l in enumerate(sizes) if l and not tight[i]), key=lambda i: -sizes[i])
+    coarse = sorted((i for i in range(len(sizes)) if tight[i]), key=lambda i: -sizes[i])
+    if not fine or not coarse or n < 2:
+        return None
+    zero = [i for i, l in enumerate(sizes) if l == 0]
+    share = -(-sum(sizes) // n)
+    # parameters longer than two slices hold two cuts anywhere: S is a multiple of their unit
+    forced = math.lcm(1, *(steps[i] for i in coarse if sizes[i] > 2 * share))
+    share = -(-share // forced) * forced
+    order: list[int] = []
+    pos = 0
+    r = 1
+
+    def take_fine(room: int) -> None:
+        """Largest-first fine parameters that fit in ``room`` (in place)."""
+        nonlocal pos
+        k = 0
+        while k < len(fine) and room > 0:
+            if sizes[fine[k]] <= room:
+                i = fine.pop(k)
+                order.append(i)
+                pos += sizes[i]
+                room -= sizes[i]
+            else:
+                k += 1
+
+    while coarse:
+        target = r * share
+        if r >= n:
+            order.extend(coarse)
+            coarse.clear()
+            break
+        long = sizes[coarse[0]] > share  # long parameters go first: they hold cuts anyway
+        fit = (
+            None
+            if long
+            else next((k for k, i in enumerate(coarse) if pos + sizes[i] <= target), None)
+        )
+        if fit is not None:
+            i = coarse.pop(fit)
+            order.append(i)
+            pos += sizes[i]
+        else:
+            gap = target - pos
+            if not long and sum(sizes[i] for i in fine) > gap:
+                take_fine(gap)
+                if pos < target and fine:  # the smallest fine one straddles the target
+                    i = fine.pop()
+                    order.append(i)
+                    pos += sizes[i]
+            else:
+                i = coarse.pop(0)
+                shift = gap % steps[i]
+                acc, chosen = 0, []  # fine parameters that cover the shift exactly
+                for f in fine:
+                    if acc + sizes[f] <= shift:
+                        acc += sizes[f]
+                        chosen.append(f)
+                if acc == shift:
+                    for f in chosen:
+                        fine.remove(f)
+                        order.append(f)
+                        pos += sizes[f]
+                order.append(i)
+                pos += sizes[i]
+        while r < n and r * share <= pos:
+            r += 1
+    order.extend(fine)
+    order.extend(zero)
+    return order
