@@ -1084,7 +1084,8 @@ def _default_groups(module: nn.Module) -> list[str]:
         if isinstance(mod, nn.ModuleList) and not any(
             name.startswith(o + ".") or name == o for o in out
         ):
-            out.extend(f"{name}.{i}" if name else str(i) for i in range(len(mod)))
+            # registered keys, not range(len): a pipeline stage holds only its own blocks
+            out.extend(f"{name}.{k}" if name else k for k, c in mod._modules.items() if c is not None)
     return out
 
 
