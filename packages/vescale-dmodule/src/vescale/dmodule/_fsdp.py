@@ -1085,7 +1085,8 @@ def _default_groups(module: nn.Module) -> list[str]:
             name.startswith(o + ".") or name == o for o in out
         ):
             # registered keys, not range(len): a pipeline stage holds only its own blocks
-            out.extend(f"{name}.{k}" if name else k for k, c in mod._modules.items() if c is not None)
+            keys = [k for k, c in mod._modules.items() if c is not None]
+            out.extend(f"{name}.{k}" if name else k for k in keys)
     return out
 
 
