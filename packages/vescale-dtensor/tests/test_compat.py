@@ -49,6 +49,8 @@ NATIVE = [
     "DTensor view flattening a sharded inner dim (sequence-parallel logits)",
     "torch._dynamo DeviceMeshVariable.is_device_mesh (DeviceMesh subclasses)",
     "torch.distributed._state_dict_utils (full state dicts into plugin placements)",
+    "DTensor OpDispatcher._custom_op_handlers (random ops drawn as on one device)",
+    "torch.utils._python_dispatch.TorchDispatchMode",
 ]
 FUSED = "ShardingPropagator split/cat strategies (fused projections)"
 ATTENTION = "DTensor rules for aten._scaled_dot_product_flash_attention_for_cpu"
