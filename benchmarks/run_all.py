@@ -34,6 +34,12 @@ BENCHMARKS = {
         ["--iters", "2000", "--rounds", "5"],
         ["--iters", "500", "--rounds", "3"],
     ),
+    "random ops equal to one device (vs plain local dropout)": (
+        "rng_bench.py",
+        "dropout on a sharded DTensor per placement vs the same on a plain local tensor",
+        ["--world", "4", "--iters", "20"],
+        ["--world", "2", "--iters", "5", "--shape", "4", "64", "256"],
+    ),
     "ragged pack kernels and planner": (
         "ragged_bench.py",
         "pack/unpack vs one torch.cat / memcpy; planner time for 100/1,000/10,000 params",
