@@ -514,3 +514,59 @@ def test_bridged_order_puts_a_fine_parameter_across_each_cut():
     assert holder in ([], ["b0"], ["b1"], ["b2"], ["b3"])
     by_name = {s.name: s for s in specs}
     _check_layout(auto, [by_name[name] for name in auto.names], 2, weighted=False)
+
+
+@settings(max_examples=60, deadline=None, database=None)
+@given(
+    params=st.lists(st.tuples(st.integers(1, 8), st.integers(1, 4)), min_size=1, max_size=4),
+    n=st.integers(2, 4),
+)
+def test_even_slice_lower_bound_holds_for_every_order(params, n):
+    # (rows, row width) "row" matrices: no order of the parameters admits an even layout
+    # with slices shorter than the bound (exhaustive search over orders and paddings)
+    sizes = [r * w for r, w in params]
+    steps = [w for _, w in params]
+    bound = _planner.even_slice_lower_bound(sizes, steps, n)
+    best = min(
+        next(
+            s
+            for s in itertools.count(-(-sum(sizes) // n))
+            if _fits_by_search([sizes[i] for i in perm], [steps[i] for i in perm], n, s)
+        )
+        for perm in itertools.permutations(range(len(sizes)))
+    )
+    assert bound <= best
+    specs = [ParamSpec(f"p{i}", (r, w), torch.float32, "row") for i, (r, w) in enumerate(params)]
+    assert plan_flat_buffers(specs, n, order="auto")[torch.float32].slice_numel(0) >= bound
+
+
+def _random_specs(count: int, seed: int = 0) -> list[ParamSpec]:
+    """The benchmark's random parameters: 1-D fp32, fp32 "row" matrices, bf16 (32, 32) blocks."""
+    rng = random.Random(seed)
+    dims = [64, 128, 256, 384, 512, 768, 1024]
+    out = []
+    for i in range(count):
+        kind = rng.random()
+        if kind < 0.4:
+            out.append(ParamSpec(f"p{i}", (rng.choice(dims),), torch.float32))
+        elif kind < 0.8:
+            shape = (rng.choice(dims), rng.choice(dims))
+            out.append(ParamSpec(f"p{i}", shape, torch.float32, "row"))
+        else:
+            shape = (rng.choice(dims), rng.choice(dims))
+            out.append(ParamSpec(f"p{i}", shape, torch.bfloat16, (32, 32)))
+    return out
+
+
+@pytest.mark.parametrize("n", [64, 1024])
+def test_cluster_sizes_reach_the_lower_bound(n):
+    # 100 random parameters on 64 and 1,024 ranks (planned by simulation, no processes):
+    # every buffer's slice length is the proven lower bound, i.e. no order and padding
+    # of these parameters gives ranks less to hold or to move
+    specs = _random_specs(100)
+    for dtype, layout in plan_flat_buffers(specs, n, order="auto").items():
+        group = [s for s in specs if s.dtype == dtype]
+        sizes = [math.prod(s.shape) for s in group]
+        steps = [max(_step(s), 1) for s in group]
+        assert layout.slice_numel(0) == _planner.even_slice_lower_bound(sizes, steps, n), dtype
+        assert max(layout.rank_data_numel()) <= layout.slice_numel(0)

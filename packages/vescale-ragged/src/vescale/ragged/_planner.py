@@ -490,19 +490,23 @@ def even_slice_lower_bound(sizes: Sequence[int], steps: Sequence[int], n: int) -
       parameter strictly contains two consecutive slice boundaries ``r * S`` and
       ``(r + 1) * S``, and both must be on its grid.
 
-    The bound is the least ``S`` satisfying all three (found by stepping to the next
-    multiple until the set of long parameters is stable). The benchmark
-    (``benchmarks/ragged_bench.py``) reports every layout's ``S`` against it.
+    The bound is the least ``S`` satisfying all three: from the first two, ``S`` moves
+    up to the next multiple of the long parameters' units, or to where the shortest of
+    them stops being longer than ``2 * S`` (the set shrinks there), whichever is first.
+    The benchmark (``benchmarks/ragged_bench.py``) reports every layout's ``S`` against
+    it.
     """
     d = sum(sizes)
     if d == 0:
         return 0
     s = max(-(-d // n), max(min(l, g) for l, g in zip(sizes, steps) if l))
     while True:
-        lcm = math.lcm(1, *(g for l, g in zip(sizes, steps) if l > 2 * s))
+        long = [(l, g) for l, g in zip(sizes, steps) if l > 2 * s]
+        lcm = math.lcm(1, *(g for _, g in long))
         if s % lcm == 0:
             return s
-        s = -(-s // lcm) * lcm
+        shortest = min(l for l, _ in long)
+        s = min(-(-s // lcm) * lcm, -(-shortest // 2))
 
 
 def _even_key(
