@@ -24,7 +24,7 @@ from torch.distributed.pipelining import (
     ScheduleGPipe,
     ScheduleInterleaved1F1B,
 )
-from torch.distributed.tensor import DTensor
+from torch.distributed.tensor import DTensor, Replicate, Shard
 
 from vescale.dmodule._compat import tree_flatten, tree_unflatten
 from vescale.dmodule._pipeline_split import (
@@ -32,6 +32,7 @@ from vescale.dmodule._pipeline_split import (
     auto_split_points,
     build_stage_module,
     check_split_points,
+    merge_stage_modules,
     meta_like,
     stage_of_modules,
     trace_model,
@@ -70,6 +71,20 @@ class _Runtime:
     entered: bool = False
     idmap: dict = dataclasses.field(default_factory=dict)
     keep: list = dataclasses.field(default_factory=list)
+    mesh: DeviceMesh | None = None  # the stage's DModule mesh: received tensors join it
+
+    def lift(self, t: torch.Tensor) -> torch.Tensor:
+        """A received tensor as the stage's model sees its activations.
+
+        In a module parallelized by ``DModule`` activations are DTensors (their data
+        parallel dims ``Replicate()``, as DModule's own plans place them); a plain
+        activation meeting DTensor weights would work in forward (implicit
+        replication) but not in backward. ``Replicate()`` on every dim: the plans of
+        the modules inside redistribute as they would any input.
+        """
+        if self.mesh is None or isinstance(t, DTensor) or not t.is_floating_point():
+            return t
+        return DTensor.from_local(t, self.mesh, [Replicate()] * self.mesh.ndim, run_check=False)
 
     def substitute(self, leaves: list[Any]) -> list[Any]:
         out = []
@@ -93,6 +108,7 @@ def _entry_hook(rt: _Runtime, name: str) -> Callable:
                     f"{len(pos)} tensors, but {len(rt.received)} were received"
                 )
             for i, r in zip(pos, rt.received):
+                r = rt.lift(r)
                 rt.idmap[id(leaves[i])] = r
                 rt.keep.append(leaves[i])
                 leaves[i] = r
@@ -202,6 +218,11 @@ class PipelineParallel:
     pipeline layouts.
 
     Attributes:
+        module: One ``nn.Module`` with this rank's parameters and buffers under the
+            unmodified model's names: the stage module itself with one stage per rank,
+            else a container of the stages' submodules. Give it to optimizers and to
+            ``vescale.checkpoint`` (``{"model": pp.module, "optimizer": opt}``); never
+            call it.
         model_parts: This rank's stage modules (one, or two for interleaved 1F1B).
         stage_indices: Their stage indices (rank ``r`` holds ``r, r + p, ...``).
         num_stages: Total number of stages.
@@ -233,6 +254,7 @@ class PipelineParallel:
         self.microbatches = microbatches
         self.pp_group = pp_group
         self.submesh = submesh
+        self.module = merge_stage_modules(model_parts)
 
     @property
     def has_first_stage(self) -> bool:
@@ -273,20 +295,15 @@ class PipelineParallel:
 
     def parameters(self) -> Iterator[nn.Parameter]:
         """Parameters of this rank's stages."""
-        for m in self.model_parts:
-            yield from m.parameters()
+        return self.module.parameters()
 
     def named_parameters(self) -> Iterator[tuple[str, nn.Parameter]]:
         """``(name, parameter)`` of this rank's stages, under the unmodified model's names."""
-        for m in self.model_parts:
-            yield from m.named_parameters()
+        return self.module.named_parameters()
 
     def state_dict(self) -> dict[str, Any]:
         """This rank's stages' state, keyed by the unmodified model's names."""
-        out: dict[str, Any] = {}
-        for m in self.model_parts:
-            out.update(m.state_dict())
-        return out
+        return self.module.state_dict()
 
     def zero_grad(self, set_to_none: bool = True) -> None:
         """``zero_grad`` of every local stage."""
@@ -449,6 +466,7 @@ def pipeline_parallelize(
                     "parallelize_fn must parallelize the stage module in place (DModule, "
                     "fully_shard and replicate do) and return it or None"
                 )
+        rt.mesh = _tensor_parallel_mesh(part)
         if s > 0:
             for name, mod in built.entry_modules.items():
                 mod.register_forward_pre_hook(_entry_hook(rt, name), prepend=True, with_kwargs=True)
@@ -489,6 +507,19 @@ def pipeline_parallelize(
         pp_group=pp_group,
         submesh=submesh,
     )
+
+
+def _tensor_parallel_mesh(module: nn.Module) -> DeviceMesh | None:
+    """The mesh of ``module``'s tensor-parallel (``Shard``) parameters, if any.
+
+    There, the model's activations are DTensors (``DModule``'s plans place them), so
+    the tensors a stage receives become DTensors on that mesh. Data parallelism alone
+    (DDP, FSDP) keeps activations plain.
+    """
+    for p in module.parameters():
+        if isinstance(p, DTensor) and any(isinstance(pl, Shard) for pl in p.placements):
+            return p.device_mesh
+    return None
 
 
 def _example(t: torch.Tensor, device: torch.device) -> torch.Tensor:

@@ -407,3 +407,36 @@ def build_stage_module(model: nn.Module, stage_index: int, stage: dict[str, int]
     root = build(model, "")
     root.__dict__[_GHOSTS] = ghosts
     return StageShell(root, entry, ghosts)
+
+
+def merge_stage_modules(parts: Sequence[nn.Module]) -> nn.Module:
+    """One module holding several stage shells' tensors under their original names.
+
+    For a rank with one stage this is that stage's module. With several (interleaved
+    schedules), a tree of plain ``nn.Module`` containers whose leaves are the stages'
+    own submodules: ``state_dict()``, ``named_parameters()`` and optimizers keyed by
+    parameter name see the unmodified model's names. It is never called.
+    """
+    if len(parts) == 1:
+        return parts[0]
+
+    def merge(mods: list[nn.Module]) -> nn.Module:
+        if len(mods) == 1:
+            return mods[0]
+        out = nn.Module()
+        for m in mods:
+            for table in ("_parameters", "_buffers"):
+                for k, t in getattr(m, table).items():
+                    if t is not None:
+                        getattr(out, table)[k] = t
+            out._non_persistent_buffers_set |= set(m._non_persistent_buffers_set)
+        names: list[str] = []
+        for m in mods:
+            names += [k for k, c in m._modules.items() if c is not None and k not in names]
+        for k in names:
+            kids = [m._modules[k] for m in mods if m._modules.get(k) is not None]
+            unique = list({id(c): c for c in kids}.values())
+            out._modules[k] = merge(unique)
+        return out
+
+    return merge(list(parts))
