@@ -570,6 +570,15 @@ def main(argv: list[str] | None = None) -> int:
             return torch.autocast(device.type, dtype=torch.bfloat16)
         return contextlib.nullcontext()
 
+    def dropout_rng():
+        # Dropout masks of the global batch, as one device draws them: dp rank r holds
+        # every dp-th sequence of the step's batch (the sampler's interleaved layout).
+        if cfg.model.dropout > 0 and dp > 1:
+            from vescale.dtensor.random import data_parallel_rng
+
+            return data_parallel_rng(mesh, "dp", layout="interleaved")
+        return contextlib.nullcontext()
+
     run_dir = Path(cfg.train.run_dir)
     ckpt_dir = Path(cfg.checkpoint.dir) if cfg.checkpoint.dir else run_dir / "ckpt"
 
@@ -652,7 +661,7 @@ def main(argv: list[str] | None = None) -> int:
             last = micro == accum - 1
             ctx = sync_ctx() if (sync_ctx and not last) else contextlib.nullcontext()
             with ctx:
-                with amp():
+                with amp(), dropout_rng():
                     loss = loss_fn(model(x), y)
                 (loss / accum).backward()
             loss_sum += float(loss.detach())
