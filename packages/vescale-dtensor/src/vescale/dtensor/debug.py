@@ -10,17 +10,15 @@ additionally records, under the same keys, the bytes this rank sends.
 "Bytes sent per rank" is the cost of the standard ring algorithm on a group of
 ``N`` ranks (rounded down to an integer):
 
-==================  ==========================================================
-collective          bytes this rank sends
-==================  ==========================================================
-all_gather          ``(N-1)/N * output bytes`` (= ``(N-1) *`` input bytes)
-reduce_scatter      ``(N-1)/N * input bytes``
-all_reduce          ``2 * (N-1)/N * bytes``
-all_to_all          bytes of the input destined to *other* ranks
-broadcast           ``bytes`` (on every rank)
-gather / scatter    non-root: input bytes / root: ``(N-1)/N *`` input bytes
-reduce              ``bytes``
-==================  ==========================================================
+| collective | bytes this rank sends |
+| --- | --- |
+| all_gather | `(N-1)/N * output bytes` (= `(N-1) *` input bytes) |
+| reduce_scatter | `(N-1)/N * input bytes` |
+| all_reduce | `2 * (N-1)/N * bytes` |
+| all_to_all | bytes of the input destined to *other* ranks |
+| broadcast | `bytes` (on every rank) |
+| gather / scatter | non-root: input bytes / root: `(N-1)/N *` input bytes |
+| reduce | `bytes` |
 
 Coalesced variants add up their tensors. This covers torch's functional
 collectives (what DTensor redistribution issues), the eager
