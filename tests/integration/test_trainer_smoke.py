@@ -452,3 +452,37 @@ def test_too_little_data_is_a_clear_error():
             torch.zeros(20, dtype=torch.uint8),
             seed=0, n_batches=1, batch_size=4, dp_rank=0, dp_size=1, block_size=8,
         )  # fmt: skip
+
+
+@pytest.mark.torchrun
+@pytest.mark.slow
+def test_dropout_run_gives_the_one_process_losses(tmp_path):
+    """``--model.dropout 0.1``: TP=2 and DP=2 runs give the losses of one process.
+
+    vescale draws the dropout masks as one device would (TP: on the DTensors; DP: the
+    trainer wraps the forward in ``data_parallel_rng``), so only the TP sums' rounding
+    differs.
+    """
+    corpus = _corpus(tmp_path)
+    args = [
+        *TINY, "--data", str(corpus), "--model.dropout", "0.1", "--train.steps", "3",
+        "--train.eval_interval", "100", "--checkpoint.interval", "100",
+        "--train.sample_tokens", "0",
+    ]  # fmt: skip
+    losses = {}
+    for name, nproc, (dp, tp) in [("one", 1, "11"), ("tp2", 2, "12"), ("dp2", 2, "21")]:
+        run_dir = tmp_path / name
+        extra = ["--parallel.dp", dp, "--parallel.tp", tp]
+        run_torchrun(
+            [str(TRAIN), *args, *extra, "--train.run_dir", str(run_dir)],
+            nproc=nproc,
+            timeout=600,
+            expect_marker=MARKER,
+            cwd=REPO,
+        )
+        losses[name] = [r["loss"] for r in _records(run_dir)]
+    assert len(losses["one"]) == 3
+    # metrics.json rounds losses to 5 decimals: one unit of the last digit apart at most
+    # (other dropout masks move these losses by about 1e-2).
+    assert losses["tp2"] == pytest.approx(losses["one"], abs=1.5e-5), losses
+    assert losses["dp2"] == pytest.approx(losses["one"], abs=1.5e-5), losses
