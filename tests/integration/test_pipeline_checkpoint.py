@@ -64,7 +64,7 @@ def _compare(named, ref: GPT) -> int:
     return n
 
 
-def _pipeline(mesh, dp: str | None, seed: int):
+def _pipeline(mesh, dp: str | None, seed: int, microbatches: int = 2):
     k = BATCH // (mesh.size(mesh.mesh_dim_names.index(dp)) if dp else 1)
     fn = (lambda m, sub: parallelize_module(m, sub, {}, data_parallel={dp: "fsdp"})) if dp else None
     pp = pipeline_parallelize(
@@ -72,7 +72,7 @@ def _pipeline(mesh, dp: str | None, seed: int):
         mesh,
         example_inputs=(torch.zeros(k, SEQ, dtype=torch.long),),
         loss_fn=_loss,
-        microbatches=2,
+        microbatches=microbatches,
         parallelize_fn=fn,
     )
     return pp, torch.optim.AdamW(pp.parameters(), lr=LR), k
@@ -109,7 +109,7 @@ def _resume(path: str, layout: str) -> None:
         _compare(model.named_parameters(), _reference(3))
         return
     mesh = init_device_mesh("cpu", (4,), mesh_dim_names=("pp",))
-    pp, opt, _ = _pipeline(mesh, None, seed=5)
+    pp, opt, _ = _pipeline(mesh, None, seed=5, microbatches=4)
     state = {"model": pp.module, "optimizer": opt, "step": 0}
     vckpt.load(path, state)
     _compare(pp.named_parameters(), _reference(2))

@@ -274,6 +274,10 @@ def test_side_tensors_travel_and_bad_options():
             microbatches=2,
             pp_dim="pipe",
         )
+    with pytest.raises(ValueError, match="1F1B needs at least as many micro-batches"):
+        pipeline_parallelize(
+            _TwoInputs(), mesh, example_inputs=(x,), loss_fn=F.cross_entropy, microbatches=1
+        )
     with pytest.raises(ValueError, match="unknown pipeline schedule"):
         pipeline_parallelize(
             _TwoInputs(),

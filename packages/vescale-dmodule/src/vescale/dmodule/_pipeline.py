@@ -418,6 +418,10 @@ def pipeline_parallelize(
         )
     pp_rank, pp_size, pp_group, submesh = _mesh_parts(device_mesh, pp_dim)
     n = pp_size * v
+    if key == "1f1b" and m < n:
+        raise ValueError(
+            f"1F1B needs at least as many micro-batches as stages: microbatches={m}, {n} stages"
+        )
     if key == "interleaved1f1b" and m % pp_size:
         raise ValueError(
             f"interleaved 1F1B needs microbatches ({m}) to be a multiple of the pipeline "
