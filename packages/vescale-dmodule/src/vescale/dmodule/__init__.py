@@ -27,6 +27,17 @@ from vescale.dmodule.__about__ import __version__
 from vescale.dmodule._activation_checkpoint import apply_activation_checkpointing
 from vescale.dmodule._api import DModule, dump_plan, is_dmodule, parallelize_module
 from vescale.dmodule._auto_plan import default_sharding_plan
+from vescale.dmodule._cost_model import (
+    DeviceSpec,
+    Estimate,
+    Layout,
+    Link,
+    ModelProfile,
+    estimate,
+    probe_device,
+    profile_model,
+    saved_activation_bytes,
+)
 from vescale.dmodule._ddp import replicate
 from vescale.dmodule._dp_common import MixedPrecision, dp_memory_bytes
 from vescale.dmodule._dp_module import FullyShardedModule, ReplicatedModule
@@ -35,6 +46,16 @@ from vescale.dmodule._loss import vocab_parallel_cross_entropy
 from vescale.dmodule._pipeline import PipelineParallel, pipeline_parallelize
 from vescale.dmodule._pipeline_split import PipelineSplitError
 from vescale.dmodule._plan import SECTIONS, PlanSectionError
+from vescale.dmodule._reshard import ReshardError, reshard
+from vescale.dmodule._strategy import (
+    NoLayoutFitsError,
+    StrategyChoice,
+    apply_layout,
+    candidates,
+    get_strategy,
+    layout_of,
+    search,
+)
 from vescale.dmodule._torch_styles import TorchStyleError
 
 __all__ = [
@@ -60,4 +81,22 @@ __all__ = [
     "pipeline_parallelize",
     "PipelineParallel",
     "PipelineSplitError",
+    "Layout",
+    "Link",
+    "DeviceSpec",
+    "ModelProfile",
+    "Estimate",
+    "StrategyChoice",
+    "NoLayoutFitsError",
+    "profile_model",
+    "probe_device",
+    "estimate",
+    "search",
+    "candidates",
+    "apply_layout",
+    "get_strategy",
+    "layout_of",
+    "saved_activation_bytes",
+    "reshard",
+    "ReshardError",
 ]

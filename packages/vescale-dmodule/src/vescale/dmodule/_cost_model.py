@@ -1,0 +1,1113 @@
+"""A cost model of one training step under a parallel layout (pure Python, no communication).
+
+Three pieces:
+
+* `profile_model` runs one forward and backward of the model **on the meta device**
+  (no memory, no compute) at batch 1 and counts what the cost model needs: the
+  parameters (tied weights once) and which of them the automatic tensor-parallel plan
+  shards, matmul FLOPs forward and backward (``torch.utils.flop_counter``), the bytes
+  autograd saves for backward (``torch.autograd.graph.saved_tensors_hooks``) split by
+  how tensor/sequence parallelism divides them and by transformer block, the bytes the
+  non-matmul ops read and write, and the number of ops per forward.
+* `DeviceSpec` holds the device constants: memory, matmul FLOP/s, copy bandwidth,
+  per-op overheads and collective bandwidth/latency per link tier (a mesh dim whose
+  group spans at most ``Link.ranks`` consecutive ranks uses that tier). `probe_device`
+  measures them on the running process group; or give them.
+* `estimate` predicts per-rank memory (parameters, gradients, optimizer state,
+  activations with or without checkpointing, engine buffers) and step time (compute,
+  memory-bound ops, op overhead, each collective, overlap, optimizer) of one `Layout`.
+
+Everything here is arithmetic on the profile: `estimate` takes microseconds, so a
+search over every factorization of a large world is cheap.
+"""
+
+from __future__ import annotations
+
+import copy
+import dataclasses
+import math
+import re
+import time
+from collections.abc import Callable
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+from torch.distributed.tensor import Replicate
+
+from vescale.dmodule._auto_plan import COLWISE, ROWWISE, default_sharding_plan
+
+__all__ = [
+    "Layout",
+    "Link",
+    "DeviceSpec",
+    "ModelProfile",
+    "Estimate",
+    "profile_model",
+    "probe_device",
+    "estimate",
+    "is_parameter_view",
+    "saved_activation_bytes",
+]
+
+_DP_MODES = ("none", "ddp", "fsdp", "hsdp")
+
+
+@dataclasses.dataclass(frozen=True)
+class Layout:
+    """One parallel layout: degrees per mesh dim and the per-step choices.
+
+    The mesh is ``(dp, fsdp, tp)`` with size-1 dims left out, ``tp`` innermost
+    (neighbouring ranks), named ``"dp"``, ``"fsdp"``, ``"tp"``. The data-parallel mode
+    follows from the degrees: ``dp`` alone is DDP, ``fsdp`` alone FSDP, both HSDP
+    (replicated over ``dp``, sharded over ``fsdp``).
+
+    Args:
+        dp: Replicated data-parallel degree (DDP, or HSDP's replica dim).
+        fsdp: Sharded data-parallel degree (FSDP, or HSDP's shard dim).
+        tp: Tensor-parallel degree (the automatic Megatron plan).
+        pp: Pipeline-parallel degree. Only ``1`` is supported now: the extension point
+            for pipeline stages (the search enumerates it once a pipeline engine exists).
+        sequence_parallel: Keep activations sequence-sharded between TP regions.
+        activation_checkpointing: Recompute each transformer block in backward.
+        micro_batch: Samples per forward/backward on one rank; the per-rank batch is
+            run as ``per_rank_batch // micro_batch`` accumulated micro-batches.
+    """
+
+    dp: int = 1
+    fsdp: int = 1
+    tp: int = 1
+    pp: int = 1
+    sequence_parallel: bool = False
+    activation_checkpointing: bool = False
+    micro_batch: int = 1
+
+    def __post_init__(self) -> None:
+        for f in ("dp", "fsdp", "tp", "pp", "micro_batch"):
+            v = getattr(self, f)
+            if isinstance(v, bool) or not isinstance(v, int) or v < 1:
+                raise ValueError(f"Layout.{f} must be a positive int, got {v!r}")
+        if self.pp != 1:
+            raise NotImplementedError(
+                "Layout.pp > 1: pipeline parallelism is not part of the cost model yet"
+            )
+        if self.sequence_parallel and self.tp == 1:
+            raise ValueError("Layout: sequence_parallel needs tp > 1")
+
+    @property
+    def world(self) -> int:
+        """Number of ranks."""
+        return self.dp * self.fsdp * self.tp * self.pp
+
+    @property
+    def dp_degree(self) -> int:
+        """Ranks that split the batch (``dp * fsdp``)."""
+        return self.dp * self.fsdp
+
+    @property
+    def dp_mode(self) -> str:
+        """``"none"``, ``"ddp"``, ``"fsdp"`` or ``"hsdp"``."""
+        if self.dp > 1 and self.fsdp > 1:
+            return "hsdp"
+        if self.fsdp > 1:
+            return "fsdp"
+        if self.dp > 1:
+            return "ddp"
+        return "none"
+
+    @property
+    def mesh_dims(self) -> tuple[tuple[str, int], ...]:
+        """``((name, size), ...)`` outermost first; a 1-rank layout is ``(("dp", 1),)``."""
+        dims = tuple((n, s) for n, s in (("dp", self.dp), ("fsdp", self.fsdp), ("tp", self.tp)))
+        kept = tuple((n, s) for n, s in dims if s > 1)
+        return kept or (("dp", 1),)
+
+    @property
+    def data_parallel(self) -> dict[str, str] | None:
+        """The ``data_parallel=`` option of `parallelize_module` for this layout."""
+        out = {}
+        if self.dp > 1:
+            out["dp"] = "ddp"
+        if self.fsdp > 1:
+            out["fsdp"] = "fsdp"
+        if not out and self.tp == 1:
+            out["dp"] = "ddp"  # one rank: a plain (1-rank) DDP keeps the model a DModule
+        return out or None
+
+    def describe(self) -> str:
+        """A short label, e.g. ``"fsdp2 x tp2 +sp +ac mb4"``."""
+        parts = []
+        if self.dp_mode == "hsdp":
+            parts.append(f"hsdp{self.dp}x{self.fsdp}")
+        elif self.dp > 1:
+            parts.append(f"ddp{self.dp}")
+        elif self.fsdp > 1:
+            parts.append(f"fsdp{self.fsdp}")
+        if self.tp > 1:
+            parts.append(f"tp{self.tp}")
+        label = " x ".join(parts) or "single"
+        if self.sequence_parallel:
+            label += " +sp"
+        if self.activation_checkpointing:
+            label += " +ac"
+        return f"{label} mb{self.micro_batch}"
+
+
+@dataclasses.dataclass(frozen=True)
+class Link:
+    """One tier of the interconnect.
+
+    Args:
+        ranks: A collective whose group spans at most this many consecutive ranks
+            (e.g. the GPUs of one node) uses this tier; ``0`` means any span.
+        bandwidth: Bus bandwidth per rank in bytes/s (a ring all-reduce of ``S``
+            bytes over ``n`` ranks takes ``2 (n-1)/n S / bandwidth``).
+        latency: Seconds per ring step.
+    """
+
+    ranks: int
+    bandwidth: float
+    latency: float
+
+
+@dataclasses.dataclass(frozen=True)
+class DeviceSpec:
+    """Per-device constants of the cost model.
+
+    Args:
+        memory: Bytes of device memory a rank may use.
+        matmul_flops: Matmul FLOP/s of one device.
+        copy_bandwidth: Bytes/s that memory-bound ops (elementwise, norms, softmax,
+            optimizer) read plus write.
+        links: Interconnect tiers, innermost first; the last should have ``ranks=0``.
+        op_overhead: Host seconds per forward op on plain tensors, its backward
+            included (Python, module calls, autograd bookkeeping).
+        dtensor_op_overhead: The same on DTensors (dispatch and sharding
+            propagation); used for layouts with tensor parallelism.
+        overlap: Fraction (0..1) of the data-parallel communication that runs hidden
+            behind compute.
+        device_type: ``"cpu"`` or ``"cuda"``: the mesh's device type.
+        matmul_by_size: ``((width, FLOP/s), ...)``: square-matmul throughput by size
+            (small matmuls run below peak); `estimate` uses the model's per-rank width.
+    """
+
+    memory: float
+    matmul_flops: float
+    copy_bandwidth: float
+    links: tuple[Link, ...]
+    op_overhead: float = 0.0
+    dtensor_op_overhead: float = 0.0
+    overlap: float = 0.0
+    device_type: str = "cpu"
+    matmul_by_size: tuple[tuple[int, float], ...] = ()
+
+    def flops_at(self, width: int) -> float:
+        """Matmul FLOP/s for matrices about ``width`` wide (``matmul_by_size``, else peak)."""
+        best = self.matmul_flops
+        for size, flops in sorted(self.matmul_by_size):
+            best = flops
+            if size >= width:
+                break
+        return best
+
+    def __post_init__(self) -> None:
+        if not self.links:
+            raise ValueError("DeviceSpec.links: give at least one Link")
+        for f in ("memory", "matmul_flops", "copy_bandwidth"):
+            if not getattr(self, f) > 0:
+                raise ValueError(f"DeviceSpec.{f} must be positive, got {getattr(self, f)!r}")
+        if not 0.0 <= self.overlap <= 1.0:
+            raise ValueError(f"DeviceSpec.overlap must be in [0, 1], got {self.overlap!r}")
+
+    def link(self, span: int) -> Link:
+        """The tier a group spanning ``span`` consecutive ranks uses."""
+        for lk in self.links:
+            if lk.ranks == 0 or span <= lk.ranks:
+                return lk
+        return self.links[-1]
+
+    def all_reduce(self, nbytes: float, n: int, span: int) -> float:
+        """Seconds for a ring all-reduce of ``nbytes`` over ``n`` ranks."""
+        if n <= 1 or nbytes <= 0:
+            return 0.0
+        lk = self.link(span)
+        return 2 * (n - 1) / n * nbytes / lk.bandwidth + 2 * (n - 1) * lk.latency
+
+    def all_gather(self, nbytes: float, n: int, span: int) -> float:
+        """Seconds for a ring all-gather (or reduce-scatter) whose full size is ``nbytes``."""
+        if n <= 1 or nbytes <= 0:
+            return 0.0
+        lk = self.link(span)
+        return (n - 1) / n * nbytes / lk.bandwidth + (n - 1) * lk.latency
+
+
+@dataclasses.dataclass
+class ModelProfile:
+    """What `profile_model` counted (per sample: batch 1 at ``seq_len``).
+
+    Attributes:
+        seq_len: Tokens per sample.
+        hidden: Width of the residual stream.
+        vocab: Output vocabulary (last dim of the logits).
+        params: ``(name, numel, bytes per element, trainable)`` per parameter, tied
+            weights once.
+        fwd_flops: Matmul FLOPs of one forward (with the loss).
+        bwd_flops: Matmul FLOPs of one backward.
+        block_fwd_flops: Forward FLOPs inside the transformer blocks (recomputed
+            under activation checkpointing).
+        ew_bytes: Bytes read and written by non-matmul ops in one forward, by class.
+        block_ew_bytes: The part of ``ew_bytes`` inside the blocks, by class.
+        n_ops: Torch function calls in one forward.
+        block_ops: The part of ``n_ops`` inside the blocks.
+        act: Bytes saved for backward, by class (``"seq"``: residual-stream tensors,
+            divided by tp only with sequence parallelism; ``"gathered"``: inputs of
+            column-parallel linears, never divided; ``"vocab"``: logits-sized, never
+            divided; ``"inner"``: divided by tp).
+        block_act: The part of ``act`` saved inside blocks, by class.
+        n_blocks: Transformer blocks (elements of the largest ``nn.ModuleList``).
+        block_input_bytes: Bytes of one block's input (what checkpointing keeps).
+        block_param_numel: Parameters of the largest block (FSDP's unsharded group).
+        n_row: Row-parallel linears (one activation all-reduce each in forward).
+        n_col_groups: Distinct inputs of column-parallel linears (one input-gradient
+            all-reduce each in backward).
+        vocab_parallel_embedding: Whether the token embedding is vocabulary-parallel.
+    """
+
+    seq_len: int
+    hidden: int
+    vocab: int
+    params: list[tuple[str, int, int, bool]]
+    fwd_flops: float
+    bwd_flops: float
+    block_fwd_flops: float
+    ew_bytes: dict[str, float]
+    block_ew_bytes: dict[str, float]
+    n_ops: int
+    block_ops: int
+    act: dict[str, float]
+    block_act: dict[str, float]
+    n_blocks: int
+    block_input_bytes: float
+    block_param_numel: int
+    n_row: int
+    n_col_groups: int
+    vocab_parallel_embedding: bool
+    blocks_name: str = ""
+    model: nn.Module = dataclasses.field(repr=False, default=None)  # type: ignore[assignment]
+    plan_model: nn.Module = dataclasses.field(repr=False, default=None)  # type: ignore[assignment]
+    _tp_cache: dict = dataclasses.field(repr=False, default_factory=dict)
+
+    @property
+    def num_params(self) -> int:
+        """Parameter count (tied weights once)."""
+        return sum(n for _, n, _, _ in self.params)
+
+    def tp_sharded(self, tp: int, fsdp: bool) -> dict[str, bool]:
+        """Parameter name -> whether the automatic plan shards it over ``tp`` ranks."""
+        key = (tp, fsdp)
+        if key not in self._tp_cache:
+            self._tp_cache[key] = _tp_sharded(self, tp, fsdp)
+        return self._tp_cache[key]
+
+    def tp_local_sums(self, tp: int, fsdp: bool) -> tuple[float, float, float, float]:
+        """``(param bytes, trainable bytes, trainable numel, numel)`` of one tp rank."""
+        key = ("sums", tp, fsdp)
+        if key not in self._tp_cache:
+            sharded = self.tp_sharded(tp, fsdp)
+            pb = gb = nt = nn_ = 0.0
+            for name, numel, elt, trainable in self.params:
+                local = numel / tp if sharded.get(name) else numel
+                pb += local * elt
+                nn_ += local
+                if trainable:
+                    gb += local * elt
+                    nt += local
+            self._tp_cache[key] = (pb, gb, nt, nn_)
+        return self._tp_cache[key]
+
+    def valid_tp(self, tp: int) -> bool:
+        """Whether ``tp`` divides the heads/width so that the plan shards every block."""
+        if tp == 1:
+            return True
+        if self.hidden % tp:
+            return False
+        sharded = self.tp_sharded(tp, False)
+        # every block shards its matmuls: as many sharded weights as at tp = 2 (or more)
+        base = sum(sharded.values())
+        return base > 0 and base >= _n_tp_weights(self)
+
+
+class _ShapeMesh:
+    """The shape of a 1-dim ``"tp"`` mesh: all `default_sharding_plan` reads."""
+
+    ndim = 1
+    mesh_dim_names = ("tp",)
+
+    def __init__(self, n: int) -> None:
+        self._n = n
+
+    def size(self, dim: int | None = None) -> int:
+        return self._n
+
+
+def _tp_sharded(profile: ModelProfile, tp: int, fsdp: bool) -> dict[str, bool]:
+    out = {name: False for name, _, _, _ in profile.params}
+    if tp == 1 or profile.model is None:
+        return out
+    plan = default_sharding_plan(profile.plan_model, _ShapeMesh(tp), "tp")  # type: ignore[arg-type]
+    if not plan:
+        return out
+    keys = [(re.compile(k), v) for k, v in plan.get("parameter", {}).items()]
+    # the plan was derived on one block: every block's names map to block 0's
+    to_first = (
+        re.compile("^" + re.escape(profile.blocks_name) + r"\.\d+\.")
+        if profile.blocks_name
+        else None
+    )
+    for name in out:
+        probe = to_first.sub(profile.blocks_name + ".0.", name) if to_first else name
+        for rx, placements in keys:
+            if rx.fullmatch(probe):
+                p = placements[0]
+                strided = type(p).__name__ == "_StridedShard"
+                out[name] = not isinstance(p, Replicate) and not (fsdp and strided)
+                break
+    return out
+
+
+def _n_tp_weights(profile: ModelProfile) -> int:
+    key = ("n_tp_weights",)
+    if key not in profile._tp_cache:
+        # the plan at the smallest tp that divides the width: what "every block" shards
+        best = 0
+        for t in (2, 3, 4, 5, 7):
+            if profile.hidden % t == 0:
+                best = sum(_tp_sharded(profile, t, False).values())
+                break
+        profile._tp_cache[key] = best
+    return profile._tp_cache[key]
+
+
+def _meta_copy(model: nn.Module) -> nn.Module:
+    """``model`` deep-copied with its parameters and persistent buffers on ``meta``.
+
+    Tied weights stay tied (one memo entry per tensor); non-persistent buffers (rotary
+    tables) stay real, since nothing re-creates them.
+    """
+    memo: dict[int, Any] = {}
+    for p in model.parameters():
+        memo[id(p)] = nn.Parameter(torch.empty_like(p, device="meta"), p.requires_grad)
+    persistent = {id(v) for v in model.state_dict(keep_vars=True).values()}
+    for b in model.buffers():
+        if id(b) in persistent and id(b) not in memo:
+            memo[id(b)] = torch.empty_like(b, device="meta")
+    return copy.deepcopy(model, memo)
+
+
+def _blocks(model: nn.Module) -> tuple[str, list[nn.Module]]:
+    """The ``nn.ModuleList`` holding the most parameters (the transformer blocks)."""
+    best, best_n, best_name = [], -1, ""
+    for name, mod in model.named_modules():
+        if isinstance(mod, nn.ModuleList) and len(mod):
+            n = sum(p.numel() for p in mod.parameters())
+            if n > best_n:
+                best, best_n, best_name = list(mod), n, name
+    return best_name, best
+
+
+def _one_block_model(model: nn.Module, blocks_name: str, blocks: list[nn.Module]) -> nn.Module:
+    """``model`` with its block list cut to the first block when all blocks look alike.
+
+    The automatic plan generalises layer indices to ``\\d+``, so deriving it on one
+    block gives the same keys as on all of them, at a fraction of the cost.
+    """
+
+    def shapes(b: nn.Module) -> list[tuple[str, tuple[int, ...]]]:
+        return [(n, tuple(p.shape)) for n, p in b.named_parameters()]
+
+    if len(blocks) < 2 or any(shapes(b) != shapes(blocks[0]) for b in blocks[1:]):
+        return model
+    path = blocks_name.split(".")
+    root = copy.copy(model)
+    root._modules = dict(model._modules)  # noqa: SLF001 (nn.Module's own table)
+    parent = root
+    for part in path[:-1]:
+        child = copy.copy(parent._modules[part])
+        child._modules = dict(child._modules)
+        parent._modules[part] = child
+        parent = child
+    parent._modules[path[-1]] = nn.ModuleList([blocks[0]])
+    return root
+
+
+def _logits(out: Any) -> torch.Tensor:
+    if isinstance(out, torch.Tensor):
+        return out
+    if isinstance(out, dict) and "logits" in out:
+        return out["logits"]
+    lg = getattr(out, "logits", None)
+    if isinstance(lg, torch.Tensor):
+        return lg
+    if isinstance(out, (tuple, list)) and out and isinstance(out[0], torch.Tensor):
+        return out[0]
+    raise TypeError(
+        f"profile_model: cannot find logits in the model's output ({type(out).__name__}); "
+        "pass loss_fn=fn(output, batch) returning a scalar"
+    )
+
+
+_MATMUL_FUNCS = {
+    F.linear,
+    torch.matmul,
+    torch.bmm,
+    torch.mm,
+    torch.addmm,
+    torch.baddbmm,
+    torch.einsum,
+    torch.Tensor.matmul,
+    torch.Tensor.__matmul__,
+    torch.Tensor.__rmatmul__,
+    torch.Tensor.bmm,
+    torch.Tensor.mm,
+    F.scaled_dot_product_attention,
+    F.embedding,
+}
+_SKIP_FUNCS = {"size", "dim", "__get__", "__getattribute__", "__len__", "numel", "stride"}
+
+
+_VIEW_FNS = (
+    "TBackward0",
+    "ViewBackward0",
+    "TransposeBackward0",
+    "PermuteBackward0",
+    "ExpandBackward0",
+    "AliasBackward0",
+    "UnsqueezeBackward0",
+    "ReshapeAliasBackward0",
+    "ToCopyBackward0",
+)
+
+
+def is_parameter_view(t: torch.Tensor) -> bool:
+    """Whether ``t`` is a parameter or a view (transpose, reshape, cast) of one.
+
+    Autograd saves weights (``weight.t()`` for ``addmm``) next to activations;
+    activation accounting leaves them out (they are counted as parameters).
+    """
+    if t.is_leaf:
+        return t.requires_grad
+    fn = t.grad_fn
+    while fn is not None and type(fn).__name__ in _VIEW_FNS:
+        nxt = [f for f, _ in fn.next_functions if f is not None]
+        fn = nxt[0] if nxt else None
+    return fn is not None and type(fn).__name__ == "AccumulateGrad"
+
+
+def _storage_key(t: torch.Tensor) -> Any:
+    """Identify ``t``'s storage on the meta device (where there are no addresses).
+
+    A view (reshape, transpose, ...) of the same size as its base shares the base's
+    storage: both map to the autograd node that made the base. Tensors outside
+    autograd are their own key.
+    """
+    fn = t.grad_fn
+    if fn is None:
+        return ("tensor", id(t))
+    views = set(_VIEW_FNS) - {"ToCopyBackward0"} | {"UnsafeViewBackward0"}
+    while type(fn).__name__ in views:
+        nxt = [f for f, _ in fn.next_functions if f is not None]
+        if not nxt:
+            break
+        fn = nxt[0]
+    return ("node", id(fn), t.numel(), t.dtype)
+
+
+def _classify(t: torch.Tensor, hidden: int, vocab: int, tokens: int) -> str:
+    if t.ndim >= 1 and t.shape[-1] == vocab and t.numel() >= tokens * vocab and vocab != hidden:
+        return "vocab"
+    if t.ndim >= 2 and t.shape[-1] == hidden and t.numel() == tokens * hidden:
+        return "seq"
+    return "inner"
+
+
+def profile_model(
+    model: nn.Module,
+    seq_len: int,
+    *,
+    input_fn: Callable[[int, int], Any] | None = None,
+    loss_fn: Callable[[Any, Any], torch.Tensor] | None = None,
+) -> ModelProfile:
+    """Count ``model`` on the meta device (one forward + backward at batch 1).
+
+    The model itself is not touched: a copy with meta parameters runs.
+
+    Args:
+        model: A plain (not yet parallelized) module; any device, meta included.
+        seq_len: Tokens per sample.
+        input_fn: ``(batch, seq_len) -> inputs`` on the meta device: a tensor or a tuple
+            of positional arguments, or a dict of keyword arguments. Default: token ids
+            ``[batch, seq_len]`` (``torch.long``), the first positional argument.
+        loss_fn: ``(output, inputs) -> scalar loss``. Default: cross-entropy of the
+            logits (the output, its ``logits`` attribute or key, or its first element)
+            against token ids.
+
+    Returns:
+        The `ModelProfile`.
+    """
+    from torch.autograd.graph import saved_tensors_hooks
+    from torch.overrides import TorchFunctionMode
+    from torch.utils.flop_counter import FlopCounterMode
+
+    meta = _meta_copy(model)
+    meta.train()
+    blocks_name, blocks = _blocks(meta)
+    block_ids = {id(b): i for i, b in enumerate(blocks)}
+    modules = dict(meta.named_modules())
+    names = {id(m): n for n, m in modules.items()}
+
+    # parameters (tied once)
+    seen: set[int] = set()
+    params = []
+    for name, p in meta.named_parameters():
+        if id(p) in seen:
+            continue
+        seen.add(id(p))
+        params.append((name, p.numel(), p.element_size(), p.requires_grad))
+    emb = [m for m in meta.modules() if isinstance(m, nn.Embedding)]
+    hidden = emb[0].embedding_dim if emb else 0
+    vocab = emb[0].num_embeddings if emb else 0
+
+    if input_fn is None:
+
+        def input_fn(b: int, t: int) -> Any:
+            return torch.zeros(b, t, dtype=torch.long, device="meta")
+
+    inputs = input_fn(1, seq_len)
+
+    def call(inp: Any) -> Any:
+        if isinstance(inp, dict):
+            return meta(**inp)
+        if isinstance(inp, tuple):
+            return meta(*inp)
+        return meta(inp)
+
+    def default_loss(out: Any, inp: Any) -> torch.Tensor:
+        logits = _logits(out)
+        tgt = torch.zeros(logits.shape[:-1], dtype=torch.long, device=logits.device)
+        return F.cross_entropy(logits.reshape(-1, logits.shape[-1]), tgt.reshape(-1))
+
+    loss_fn = loss_fn or default_loss
+
+    # which block / module is running (for attributing saved tensors and ops)
+    stack: list[nn.Module] = []
+    handles = []
+
+    def push(mod: nn.Module, args: Any) -> None:
+        stack.append(mod)
+
+    def pop(mod: nn.Module, args: Any, out: Any) -> None:
+        stack.pop()
+
+    for m in meta.modules():
+        handles.append(m.register_forward_pre_hook(push))
+        handles.append(m.register_forward_hook(pop))
+
+    def current_block() -> int | None:
+        for m in reversed(stack):
+            if id(m) in block_ids:
+                return block_ids[id(m)]
+        return None
+
+    tokens = seq_len
+    counts = {
+        "act": {"seq": 0.0, "gathered": 0.0, "vocab": 0.0, "inner": 0.0},
+        "block_act": {"seq": 0.0, "gathered": 0.0, "vocab": 0.0, "inner": 0.0},
+        "ew": {"seq": 0.0, "vocab": 0.0, "inner": 0.0},
+        "block_ew": {"seq": 0.0, "vocab": 0.0, "inner": 0.0},
+    }
+    ops = [0, 0]
+    saved: dict[int, torch.Tensor] = {}
+    saved_keys: set[Any] = set()
+    col_inputs: set[int] = set()
+    row_mods: set[int] = set()
+    block_input = [0.0]
+
+    def pack(t: torch.Tensor) -> torch.Tensor:
+        if not isinstance(t, torch.Tensor) or is_parameter_view(t):
+            return t
+        owner = stack[-1] if stack else None
+        key = _storage_key(t)
+        if key in saved_keys:
+            return t
+        saved_keys.add(key)
+        saved[id(t)] = t  # keep alive: ids stay unique
+        nbytes = t.numel() * t.element_size()
+        leaf = names.get(id(owner), "").rsplit(".", 1)[-1].lower() if owner is not None else ""
+        cls = _classify(t, hidden, vocab, tokens)
+        if isinstance(owner, nn.Linear) and leaf in ROWWISE and cls != "vocab":
+            cls = "inner"
+        elif isinstance(owner, nn.Linear) and leaf in COLWISE and cls == "seq":
+            cls = "gathered"
+            col_inputs.add(key)
+        counts["act"][cls] += nbytes
+        if current_block() is not None:
+            counts["block_act"][cls] += nbytes
+        return t
+
+    def unpack(t: torch.Tensor) -> torch.Tensor:
+        return t
+
+    class _Ops(TorchFunctionMode):
+        def __torch_function__(self, func, types, args=(), kwargs=None):
+            kwargs = kwargs or {}
+            out = func(*args, **kwargs)
+            fname = getattr(func, "__name__", "")
+            if fname in _SKIP_FUNCS or fname.startswith("_"):
+                return out
+            ops[0] += 1
+            in_block = current_block() is not None
+            if in_block:
+                ops[1] += 1
+            if func in _MATMUL_FUNCS:
+                return out
+            outs = out if isinstance(out, (tuple, list)) else (out,)
+            for t in outs:
+                if isinstance(t, torch.Tensor) and t.is_floating_point():
+                    cls = _classify(t, hidden, vocab, tokens)
+                    cls = "inner" if cls == "gathered" else cls
+                    # read the input(s) and write the output: about twice the output
+                    nbytes = 2.0 * t.numel() * t.element_size()
+                    counts["ew"][cls] += nbytes
+                    if in_block:
+                        counts["block_ew"][cls] += nbytes
+            return out
+
+    def block_in_hook(mod, args):
+        if args and isinstance(args[0], torch.Tensor) and block_input[0] == 0:
+            block_input[0] = args[0].numel() * args[0].element_size()
+
+    if blocks:
+        handles.append(blocks[0].register_forward_pre_hook(block_in_hook))
+    for name, m in modules.items():
+        if isinstance(m, nn.Linear) and name.rsplit(".", 1)[-1].lower() in ROWWISE:
+            row_mods.add(id(m))
+
+    flops_fwd = FlopCounterMode(display=False)
+    try:
+        with flops_fwd, saved_tensors_hooks(pack, unpack), _Ops():
+            out = call(inputs)
+            loss = loss_fn(out, inputs)
+        block_flops = 0.0
+        counts_by_mod = flops_fwd.get_flop_counts()
+        for mod_name, table in counts_by_mod.items():
+            # FlopCounterMode names modules "Global", "<Class>.<fqn>" ...
+            tail = mod_name.split(".", 1)[1] if "." in mod_name else ""
+            if blocks_name and re.fullmatch(re.escape(blocks_name) + r"\.\d+", tail):
+                block_flops += sum(table.values())
+        fwd = float(flops_fwd.get_total_flops())
+        flops_bwd = FlopCounterMode(display=False)
+        with flops_bwd:
+            loss.backward()
+        bwd = float(flops_bwd.get_total_flops())
+    finally:
+        for h in handles:
+            h.remove()
+    n_row = sum(
+        1
+        for n, m in modules.items()
+        if isinstance(m, nn.Linear) and n.rsplit(".", 1)[-1].lower() in ROWWISE
+    )
+    vpe = any(
+        isinstance(m, nn.Embedding) and not re.search(r"(^|_)(wpe|pos|position)", n.lower())
+        for n, m in modules.items()
+    )
+    block_param = max((sum(p.numel() for p in b.parameters()) for b in blocks), default=0)
+    return ModelProfile(
+        seq_len=seq_len,
+        hidden=hidden,
+        vocab=vocab,
+        params=params,
+        fwd_flops=fwd,
+        bwd_flops=bwd,
+        block_fwd_flops=block_flops,
+        ew_bytes=counts["ew"],
+        block_ew_bytes=counts["block_ew"],
+        n_ops=ops[0],
+        block_ops=ops[1],
+        act=counts["act"],
+        block_act=counts["block_act"],
+        n_blocks=len(blocks),
+        block_input_bytes=block_input[0],
+        block_param_numel=block_param,
+        n_row=n_row,
+        n_col_groups=len(col_inputs),
+        vocab_parallel_embedding=vpe,
+        blocks_name=blocks_name,
+        model=meta,
+        plan_model=_one_block_model(meta, blocks_name, blocks),
+    )
+
+
+@dataclasses.dataclass(frozen=True)
+class Estimate:
+    """The cost model's prediction for one layout.
+
+    Attributes:
+        layout: The `Layout`.
+        accumulation: Micro-batches per step on each rank.
+        memory: Per-rank bytes: ``params``, ``grads``, ``optimizer``, ``engine``
+            (data-parallel buffers kept between steps), ``activations`` (what autograd
+            keeps from the end of forward to backward: saved tensors, or with
+            checkpointing the blocks' inputs), ``recompute`` (checkpointing: one
+            block's saved tensors while it is recomputed) and ``total``.
+        time: Seconds per step: ``compute`` (matmuls), ``memory_bound``,
+            ``overhead`` (per-op host time), ``tp_comm``, ``dp_comm`` (all of it),
+            ``dp_exposed`` (not hidden by overlap), ``optimizer`` and ``total``.
+        fits: ``memory["total"]`` is at most the device memory.
+    """
+
+    layout: Layout
+    accumulation: int
+    memory: dict[str, float]
+    time: dict[str, float]
+    fits: bool
+
+    def describe(self) -> str:
+        """One line: layout, step time and memory."""
+        m, t = self.memory, self.time
+        return (
+            f"{self.layout.describe():<28} step {t['total'] * 1e3:9.2f} ms "
+            f"(compute {t['compute'] * 1e3:.1f}, mem-bound {t['memory_bound'] * 1e3:.1f}, "
+            f"overhead {t['overhead'] * 1e3:.1f}, tp {t['tp_comm'] * 1e3:.1f}, "
+            f"dp {t['dp_exposed'] * 1e3:.1f}/{t['dp_comm'] * 1e3:.1f}, "
+            f"optim {t['optimizer'] * 1e3:.1f})  memory {m['total'] / 2**20:9.1f} MiB "
+            f"(state {(m['params'] + m['grads'] + m['optimizer']) / 2**20:.1f}, "
+            f"act {m['activations'] / 2**20:.1f}, engine {m['engine'] / 2**20:.1f})"
+            + ("" if self.fits else "  DOES NOT FIT")
+        )
+
+
+def estimate(
+    profile: ModelProfile,
+    layout: Layout,
+    device: DeviceSpec,
+    global_batch: int,
+    *,
+    optimizer_state_per_param: float = 2.0,
+    optimizer_bytes_per_element: float = 28.0,
+) -> Estimate:
+    """Predict per-rank memory and step time of ``layout``.
+
+    Args:
+        profile: From `profile_model`.
+        layout: The candidate.
+        device: Device constants (`probe_device` or given).
+        global_batch: Samples per optimizer step over all ranks; must divide by
+            ``layout.dp_degree * layout.micro_batch``.
+        optimizer_state_per_param: Optimizer state per parameter, in parameter-sized
+            tensors (Adam/AdamW: 2; SGD with momentum: 1).
+        optimizer_bytes_per_element: Bytes the optimizer step reads and writes per
+            parameter element (AdamW in fp32: 28).
+
+    Raises:
+        ValueError: ``global_batch`` does not divide as required.
+    """
+    lay = layout
+    if global_batch % (lay.dp_degree * lay.micro_batch):
+        raise ValueError(
+            f"global_batch {global_batch} does not divide by dp*fsdp ({lay.dp_degree}) x "
+            f"micro_batch ({lay.micro_batch})"
+        )
+    accum = global_batch // (lay.dp_degree * lay.micro_batch)
+    tp, mb, sp = lay.tp, lay.micro_batch, lay.sequence_parallel
+    fsdp_on = lay.fsdp > 1
+
+    # ---- per-rank state
+    tp_p_bytes, tp_g_bytes, tp_n_train, tp_numel = profile.tp_local_sums(tp, fsdp_on)
+    p_bytes = tp_p_bytes / lay.fsdp
+    g_bytes = tp_g_bytes / lay.fsdp
+    n_local = tp_n_train / lay.fsdp
+    opt_bytes = g_bytes * optimizer_state_per_param
+    engine = 0.0
+    elt = profile.params[0][2] if profile.params else 4
+    if fsdp_on:
+        # after backward the root group (embeddings, head, final norm) stays unsharded
+        # to start the next forward; blocks are resharded
+        root = max(tp_numel - profile.n_blocks * profile.block_param_numel / tp, 0.0)
+        engine = root * elt * (lay.fsdp - 1) / lay.fsdp
+
+    # ---- activations (per micro-batch, per rank)
+    a, ba = profile.act, profile.block_act
+    seq_div = tp if sp else 1
+
+    def act_bytes(part: dict[str, float]) -> float:
+        return part["seq"] / seq_div + part["gathered"] + part["vocab"] + part["inner"] / tp
+
+    full = act_bytes(a)
+    recompute = 0.0
+    if lay.activation_checkpointing and profile.n_blocks:
+        blocks_act = act_bytes(ba)
+        outside = full - blocks_act
+        recompute = blocks_act / profile.n_blocks * mb  # one block, during its backward
+        acts = outside + profile.n_blocks * profile.block_input_bytes / seq_div
+    else:
+        acts = full
+    acts *= mb
+
+    memory = {
+        "params": p_bytes,
+        "grads": g_bytes,
+        "optimizer": opt_bytes,
+        "engine": engine,
+        "activations": acts,
+        "recompute": recompute,
+    }
+    memory["total"] = sum(memory.values())
+
+    # ---- time of one micro-batch
+    ac = lay.activation_checkpointing and profile.n_blocks > 0
+    flops = (profile.fwd_flops + profile.bwd_flops + (profile.block_fwd_flops if ac else 0.0)) * mb
+    compute = flops / tp / device.flops_at(max(profile.hidden // tp, 1))
+    ew, bew = profile.ew_bytes, profile.block_ew_bytes
+
+    def ew_part(part: dict[str, float]) -> float:
+        return part["seq"] / seq_div + part["vocab"] + part["inner"] / tp
+
+    ew_total = 3.0 * ew_part(ew) + (ew_part(bew) if ac else 0.0)  # backward ~ 2x forward
+    memory_bound = ew_total * mb / device.copy_bandwidth
+    per_op = device.dtensor_op_overhead if tp > 1 else device.op_overhead
+    n_ops = profile.n_ops + (profile.block_ops / 2 if ac else 0)
+    overhead = n_ops * per_op
+
+    tp_comm = 0.0
+    if tp > 1:
+        act_b = mb * profile.seq_len * profile.hidden * elt
+        n_fwd = profile.n_row * (2 if ac else 1) + (1 if profile.vocab_parallel_embedding else 0)
+        n_bwd = profile.n_col_groups
+        tp_comm = (n_fwd + n_bwd) * device.all_reduce(act_b, tp, tp)
+        logits = mb * profile.seq_len * profile.vocab * elt
+        tp_comm += device.all_gather(logits, tp, tp)  # lm_head output gathered
+
+    # ---- data-parallel communication
+    grad_tp_local = g_bytes * lay.fsdp  # trainable bytes of this tp rank, unsharded
+    param_tp_local = p_bytes * lay.fsdp
+    dp_per_step = 0.0
+    dp_per_micro = 0.0
+    if fsdp_on:
+        # FSDP/HSDP gather and reduce every micro-batch (no no_sync)
+        span = lay.fsdp * tp
+        ag = device.all_gather(param_tp_local, lay.fsdp, span)
+        rs = device.all_gather(grad_tp_local, lay.fsdp, span)
+        dp_per_micro = 2 * ag + rs
+        if lay.dp > 1:
+            dp_per_micro += device.all_reduce(g_bytes, lay.dp, lay.world)
+    elif lay.dp > 1:
+        dp_per_step += device.all_reduce(grad_tp_local, lay.dp, lay.world)
+
+    micro = compute + memory_bound + overhead + tp_comm
+    dp_comm = dp_per_step + accum * dp_per_micro
+    hidden_by = device.overlap * accum * micro
+    dp_exposed = max(dp_comm - hidden_by, 0.0) if dp_comm else 0.0
+    n_param_tensors = len(profile.params)
+    optimizer = (
+        n_local * optimizer_bytes_per_element / device.copy_bandwidth
+        + n_param_tensors * (device.dtensor_op_overhead if tp > 1 else device.op_overhead) / 2
+    )
+    t = {
+        "compute": accum * compute,
+        "memory_bound": accum * memory_bound,
+        "overhead": accum * overhead,
+        "tp_comm": accum * tp_comm,
+        "dp_comm": dp_comm,
+        "dp_exposed": dp_exposed,
+        "optimizer": optimizer,
+    }
+    t["total"] = (
+        t["compute"] + t["memory_bound"] + t["overhead"] + t["tp_comm"] + dp_exposed + optimizer
+    )
+    return Estimate(lay, accum, memory, t, memory["total"] <= device.memory)
+
+
+def _timed(fn: Callable[[], Any], reps: int) -> float:
+    fn()
+    best = math.inf
+    for _ in range(3):
+        t0 = time.perf_counter()
+        for _ in range(reps):
+            fn()
+        best = min(best, (time.perf_counter() - t0) / reps)
+    return best
+
+
+def probe_device(
+    memory: float | None = None,
+    *,
+    group: Any = None,
+    matmul_sizes: tuple[int, ...] = (64, 128, 256, 512, 1024),
+    copy_mb: float = 32.0,
+    collective_mb: float = 8.0,
+    overlap: float | None = None,
+) -> DeviceSpec:
+    """Measure the device constants on this process group (a collective; ~1-3 s).
+
+    Every rank measures matmul FLOP/s, copy bandwidth and per-op overheads (plain and
+    DTensor) on its own device, and the ring all-reduce bandwidth and latency of the
+    whole group; the slowest rank's figures are kept (an all-reduce of the timings),
+    so every rank returns the same `DeviceSpec` and a search over it picks the same
+    layout everywhere. Without a process group, only the local figures are measured
+    and the collective tier is a placeholder that no 1-rank layout uses.
+
+    Args:
+        memory: Bytes per device; default: the CUDA device's total memory, or the
+            machine's memory divided by the ranks on it (CPU).
+        group: The process group (default: the world).
+        matmul_sizes: Square matmul sizes for the FLOP/s figures.
+        copy_mb: Tensor size for the copy bandwidth.
+        collective_mb: All-reduce size for the bandwidth (latency uses 4 bytes).
+        overlap: Fraction of data-parallel communication hidden by compute; default
+            ``0.0`` on CPU (gloo runs its collectives on the cores that compute) and
+            ``0.8`` on CUDA.
+    """
+    import torch.distributed as dist
+
+    on = dist.is_available() and dist.is_initialized()
+    world = dist.get_world_size(group) if on else 1
+    cuda = torch.cuda.is_available() and (
+        not on or dist.get_backend(group) in ("nccl", "cuda:nccl")
+    )
+    dev = torch.device("cuda", torch.cuda.current_device()) if cuda else torch.device("cpu")
+    sync = torch.cuda.synchronize if cuda else (lambda: None)
+
+    by_size = []
+    for size in matmul_sizes:
+        a = torch.randn(size, size, device=dev)
+        b = torch.randn(size, size, device=dev)
+
+        def mm(a: torch.Tensor = a, b: torch.Tensor = b) -> None:
+            torch.mm(a, b)
+            sync()
+
+        by_size.append((size, 2 * size**3 / _timed(mm, max(2, 2**24 // size**2))))
+    flops = max(f for _, f in by_size)
+    n = int(copy_mb * 2**20 / 4)
+    x = torch.randn(n, device=dev)
+    y = torch.empty_like(x)
+
+    def cp() -> None:
+        torch.add(x, 1.0, out=y)
+        sync()
+
+    copy_bw = 2 * n * 4 / _timed(cp, 3)
+    # host overhead per op (forward + its backward): a chain of tiny layers
+    depth = 16
+    chain = nn.Sequential(*(m for _ in range(depth) for m in (nn.Linear(8, 8), nn.GELU()))).to(dev)
+    inp = torch.randn(4, 8, device=dev)
+    n_ops = 2 * depth + 1
+
+    def step(model: nn.Module = chain, x: torch.Tensor = inp) -> None:
+        model(x).sum().backward()
+        sync()
+
+    t_op = _timed(step, 5) / n_ops
+    t_dop = t_op
+    if on:
+        from torch.distributed.device_mesh import init_device_mesh
+        from torch.distributed.tensor import distribute_module, distribute_tensor
+
+        mesh = init_device_mesh(dev.type, (world,))
+        dchain = distribute_module(copy.deepcopy(chain), mesh)
+        dinp = distribute_tensor(inp, mesh, [Replicate()])
+
+        def dstep() -> None:
+            step(dchain, dinp)
+
+        t_dop = _timed(dstep, 3) / n_ops
+    figures = torch.tensor(
+        [flops, copy_bw, -t_op, -t_dop, *(f for _, f in by_size)], dtype=torch.float64
+    )
+    k = len(by_size)
+    bw, lat = 1e12, 0.0
+    if on and world > 1:
+        big = torch.ones(int(collective_mb * 2**20 / 4), device=dev)
+        small = torch.ones(1, device=dev)
+
+        def ar(t: torch.Tensor) -> Callable[[], None]:
+            def f() -> None:
+                dist.all_reduce(t, group=group)
+                sync()
+
+            return f
+
+        dist.barrier(group=group)
+        t_small = _timed(ar(small), 20)
+        t_big = _timed(ar(big), 2)
+        lat = t_small / (2 * (world - 1))
+        nbytes = big.numel() * 4
+        bw = 2 * (world - 1) / world * nbytes / max(t_big - 2 * (world - 1) * lat, 1e-9)
+        figures = torch.cat([figures, torch.tensor([bw, -lat], dtype=torch.float64)])
+        f = figures.to(dev)
+        dist.all_reduce(f, op=dist.ReduceOp.MIN, group=group)  # slowest rank's figures
+        figures = f.cpu()
+        bw, lat = float(figures[4 + k]), -float(figures[5 + k])
+    elif on:
+        f = figures.to(dev)
+        dist.all_reduce(f, op=dist.ReduceOp.MIN, group=group)
+        figures = f.cpu()
+    if memory is None:
+        if cuda:
+            memory = float(torch.cuda.get_device_properties(dev).total_memory)
+        else:
+            import os
+
+            local = int(os.environ.get("LOCAL_WORLD_SIZE", world))
+            memory = float(os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")) / local
+    return DeviceSpec(
+        memory=memory,
+        matmul_flops=float(figures[0]),
+        copy_bandwidth=float(figures[1]),
+        links=(Link(0, bw, lat),),
+        op_overhead=-float(figures[2]),
+        dtensor_op_overhead=-float(figures[3]),
+        overlap=(0.8 if cuda else 0.0) if overlap is None else overlap,
+        device_type=dev.type,
+        matmul_by_size=tuple((s, float(figures[4 + i])) for i, (s, _) in enumerate(by_size)),
+    )
+
+
+class saved_activation_bytes:
+    """Context manager measuring the bytes autograd saves for backward (real tensors).
+
+    Counts every storage once (views of one tensor share it), DTensors by their local
+    tensor, and leaves out parameters and views of them. ``with
+    saved_activation_bytes() as m: loss = step(...)`` then ``m.bytes``.
+    """
+
+    def __init__(self) -> None:
+        self.bytes = 0
+        self._seen: set[tuple[int, int]] = set()
+        self._hooks: Any = None
+
+    def count(self, t: torch.Tensor) -> None:
+        """Count ``t``'s storage too (once), e.g. a checkpointed block's kept input."""
+        local = t.to_local() if hasattr(t, "to_local") else t
+        st = local.untyped_storage()
+        key = (st.data_ptr(), st.nbytes())
+        if key not in self._seen and key[1] > 0:
+            self._seen.add(key)
+            self.bytes += key[1]
+
+    def _pack(self, t: torch.Tensor) -> torch.Tensor:
+        if isinstance(t, torch.Tensor) and not is_parameter_view(t):
+            self.count(t)
+        return t
+
+    def __enter__(self) -> saved_activation_bytes:
+        from torch.autograd.graph import saved_tensors_hooks
+
+        self._hooks = saved_tensors_hooks(self._pack, lambda t: t)
+        self._hooks.__enter__()
+        return self
+
+    def __exit__(self, *exc: Any) -> None:
+        self._hooks.__exit__(*exc)

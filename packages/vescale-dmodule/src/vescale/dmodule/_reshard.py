@@ -1,0 +1,198 @@
+"""Live resharding: move a running model, its optimizer and the RNG to another layout.
+
+`reshard` builds the model again under the new `Layout` (from the meta skeleton that
+`apply_layout` / ``DModule(..., strategy=...)`` recorded, or from ``model_fn``),
+then moves every parameter, persistent buffer and optimizer-state tensor by
+redistribution, one tensor at a time: ``full_tensor()`` on the old mesh (an
+all-gather over the ranks that shard it) and a local cut to the new placements
+(``distribute_tensor(..., src_data_rank=None)``: no further communication). The state
+dicts are torch's (``torch.distributed.checkpoint.state_dict``), keyed by parameter
+name, the same ones `vescale.checkpoint` saves, so the result equals a checkpoint
+saved under the old layout and loaded under the new one. No files are written.
+"""
+
+from __future__ import annotations
+
+import copy
+from collections.abc import Callable
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from torch import nn
+from torch.distributed.checkpoint.state_dict import (
+    get_model_state_dict,
+    get_optimizer_state_dict,
+    set_model_state_dict,
+    set_optimizer_state_dict,
+)
+from torch.distributed.tensor import DTensor, distribute_tensor
+
+from vescale.dmodule._cost_model import Layout
+from vescale.dmodule._strategy import _skeleton, apply_layout, choose
+
+__all__ = ["reshard", "ReshardError"]
+
+
+class ReshardError(ValueError):
+    """`reshard` cannot move this model or optimizer (the message says why)."""
+
+
+def _no_init(module: nn.Module) -> None:
+    """``param_init_fn`` of the new model: every value is overwritten by the old one."""
+
+
+def _full(v: Any) -> Any:
+    return v.full_tensor() if isinstance(v, DTensor) else v
+
+
+def _like(full: Any, like: Any, key: str) -> Any:
+    if not isinstance(full, torch.Tensor):
+        return full
+    if tuple(full.shape) != tuple(like.shape):
+        raise ReshardError(
+            f"reshard: {key!r} has shape {tuple(full.shape)} in the old layout but "
+            f"{tuple(like.shape)} in the new one"
+        )
+    full = full.to(dtype=like.dtype)
+    if isinstance(like, DTensor):
+        # every rank holds the full value: cut locally, no communication
+        return distribute_tensor(full, like.device_mesh, like.placements, src_data_rank=None)
+    return full.to(like.device)
+
+
+def _sync_rng() -> None:
+    """Every rank's default generators take rank 0's state (as a checkpoint resume does)."""
+    if not (dist.is_initialized() and dist.get_world_size() > 1):
+        return
+    states: list[Any] = [torch.get_rng_state()]
+    if torch.cuda.is_available() and torch.cuda.is_initialized():
+        states.append(torch.cuda.get_rng_state())
+    dist.broadcast_object_list(states, src=0)
+    torch.set_rng_state(states[0])
+    if len(states) > 1:
+        torch.cuda.set_rng_state(states[1])
+
+
+def reshard(
+    model: nn.Module,
+    optimizer: torch.optim.Optimizer | None,
+    target: Layout | str,
+    *,
+    model_fn: Callable[[], nn.Module] | None = None,
+    optimizer_fn: Callable[[nn.Module], torch.optim.Optimizer] | None = None,
+    sync_rng: bool = True,
+    **auto: Any,
+) -> tuple[nn.Module, torch.optim.Optimizer | None]:
+    """Change a running model's layout in-process; return the new model and optimizer.
+
+    Call it between steps (gradients are not moved). The returned model is a new
+    object parallelized under ``target`` with the old values; the optimizer is a new
+    one of the same class and hyperparameters (``param_groups`` by parameter name)
+    holding the old state; the old objects should be dropped. Every rank's default
+    random generators take rank 0's state (what loading a checkpoint that saved
+    ``torch.get_rng_state()`` gives), so dropout continues identically.
+
+    Args:
+        model: A model parallelized by `apply_layout` or ``DModule(...,
+            strategy=...)`` (its skeleton was recorded), or any parallelized model
+            with ``model_fn``.
+        optimizer: Its optimizer (``None``: model only).
+        target: The new `Layout` (same world size), or ``"auto"`` to search again
+            (``auto`` keywords as for ``DModule(..., strategy="auto")``:
+            ``global_batch`` required, ``device``, ``device_memory``, ...).
+        model_fn: Builds the plain model again (any device, meta included); needed
+            when the model was parallelized without a recorded layout.
+        optimizer_fn: ``fn(new_model) -> optimizer``; default: the optimizer's class
+            with its ``defaults`` and its groups' hyperparameters. Needed for
+            optimizers whose constructor takes more than parameter groups.
+        sync_rng: Give every rank rank 0's generator state.
+        **auto: Keywords of the ``"auto"`` search.
+
+    Returns:
+        ``(new_model, new_optimizer)``.
+
+    Raises:
+        ReshardError: No recorded skeleton and no ``model_fn``; state keys or shapes
+            differ between the layouts; the optimizer holds parameters that are not
+            the model's. Raised before any communication where possible.
+    """
+    rec = _skeleton(model)
+    if rec is None and model_fn is None:
+        raise ReshardError(
+            f"reshard: {type(model).__qualname__} was not parallelized by apply_layout or "
+            "DModule(..., strategy=...); pass model_fn=<builds the plain model>"
+        )
+    if optimizer is not None:
+        ids = {id(p) for p in model.parameters()}
+        stray = [
+            i for g in optimizer.param_groups for i, p in enumerate(g["params"]) if id(p) not in ids
+        ]
+        if stray:
+            raise ReshardError(
+                f"reshard: the optimizer holds {len(stray)} parameter(s) that are not the model's"
+            )
+    if isinstance(target, str):
+        if target != "auto":
+            raise ReshardError(f"reshard: target must be a Layout or 'auto', got {target!r}")
+        base = rec[0] if rec is not None else model_fn()  # type: ignore[misc]
+        target = choose(base, **auto).layout
+    elif not isinstance(target, Layout):
+        raise ReshardError(
+            f"reshard: target must be a Layout or 'auto', got {type(target).__name__}"
+        )
+    elif auto:
+        raise TypeError(f"reshard: unexpected keyword(s) {sorted(auto)} with a Layout target")
+
+    if rec is not None:
+        skeleton, options = copy.deepcopy(rec[0]), dict(rec[1])
+    else:
+        skeleton, options = model_fn(), {}  # type: ignore[misc]
+    options["param_init_fn"] = _no_init
+    new = apply_layout(skeleton, target, **options)
+
+    # ---- parameters and buffers, one tensor at a time
+    old_sd = get_model_state_dict(model)
+    like_sd = get_model_state_dict(new)
+    if set(old_sd) != set(like_sd):
+        raise ReshardError(
+            f"reshard: state keys differ between the layouts: {sorted(set(old_sd) ^ set(like_sd))}"
+        )
+    moved = {k: _like(_full(old_sd[k]), like_sd[k], k) for k in like_sd}
+    del old_sd
+    set_model_state_dict(new, moved)
+    del moved, like_sd
+
+    new_opt = None
+    if optimizer is not None:
+        old_osd = get_optimizer_state_dict(model, optimizer)
+        if optimizer_fn is not None:
+            new_opt = optimizer_fn(new)
+        else:
+            named = dict(new.named_parameters())
+            groups = []
+            for g in old_osd["param_groups"]:
+                hyper = {k: v for k, v in g.items() if k != "params"}
+                groups.append({**hyper, "params": [named[n] for n in g["params"]]})
+            new_opt = type(optimizer)(groups, **optimizer.defaults)
+        params = dict(new.named_parameters())
+        state = {}
+        for name, st in old_osd["state"].items():
+            p = params.get(name)
+            entry = {}
+            for k, v in st.items():
+                full = _full(v)
+                if isinstance(full, torch.Tensor) and p is not None and full.shape == p.shape:
+                    entry[k] = _like(full, p, f"{name}.{k}")
+                else:
+                    entry[k] = full  # step counters and other scalars
+            state[name] = entry
+        new_osd = {"state": state, "param_groups": old_osd["param_groups"]}
+        del old_osd
+        if type(new_opt).state_dict is torch.optim.Optimizer.state_dict:
+            set_optimizer_state_dict(new, new_opt, new_osd)
+        else:
+            new_opt.load_state_dict(new_osd)  # e.g. DistributedOptimizer: keyed by name
+    if sync_rng:
+        _sync_rng()
+    return new, new_opt
