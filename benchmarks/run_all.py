@@ -58,7 +58,13 @@ BENCHMARKS = {
         ["--world", "2", "4", "--steps", "6"],
         ["--world", "2", "--steps", "2"],
     ),
-    "optimizer (vs torch AdamW, naive Muon)": (
+    "scaling (ranks x model size, vs torch FSDP2)": (
+        "scaling_bench.py",
+        "1, 2, 4 ranks x 3 GPT sizes: step time, bytes sent per rank, memory per rank",
+        ["--ranks", "1", "2", "4", "--steps", "3"],
+        ["--ranks", "1", "2", "--sizes", "S", "M", "--steps", "1"],
+    ),
+    "optimizer (vs torch AdamW, ZeroRedundancyOptimizer, naive Muon)": (
         "optim_bench.py",
         "optimizer-state memory per rank and step time; Muon vs every-rank-gathers",
         ["--ranks", "2", "4"],
@@ -132,7 +138,8 @@ def main() -> int:
         "Regenerate this page with `python benchmarks/run_all.py` (or `hatch run bench:run`).\n\n"
         f"Measured on {today}: {_machine()}"
         f"{' (quick settings)' if args.quick else ''}. On a shared 2-core CPU box the "
-        "timings are noisy; byte and memory figures are exact.\n\n"
+        "timings are noisy; byte and memory figures are exact. The CUDA paths have their own "
+        "prepared check and page: [GPU check](benchmarks-gpu.md).\n\n"
         "## Summary\n\n"
         "One row per comparison (ratio = vescale / baseline for times: below 1 is faster; "
         "for throughputs the benchmark says which way). The sections below hold each "

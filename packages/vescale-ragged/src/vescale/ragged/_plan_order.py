@@ -16,20 +16,27 @@ def _candidate_orders(sizes: list[int], steps: list[int], n: int) -> list[list[i
     The bridged order (`_bridged_order`, a fine parameter across every cut);
     coarse units first, by unit then size (one-element-unit parameters first or last),
     and by size alone: parameters of one unit then sit on that unit's grid from the
-    buffer start, so fewer of them need padding to hold a cut.
+    buffer start, so fewer of them need padding to hold a cut. Orders that give the same
+    sequence of (size, unit) (so the same layout) are tried once.
     """
     idx = range(len(sizes))
 
     def unit(i: int) -> int:
         return steps[i] if _is_tight(sizes[i], steps[i]) else 1
 
-    out = [list(idx)]
-    bridged = _bridged_order(sizes, steps, n)
-    if bridged is not None:
-        out.append(bridged)
-    out.append(sorted(idx, key=lambda i: (unit(i) == 1, -unit(i), -sizes[i], i)))
-    out.append(sorted(idx, key=lambda i: (-sizes[i], i)))
-    out.append(sorted(idx, key=lambda i: (unit(i) != 1, -unit(i), -sizes[i], i)))
+    cands = [list(idx), _bridged_order(sizes, steps, n)]
+    cands.append(sorted(idx, key=lambda i: (unit(i) == 1, -unit(i), -sizes[i], i)))
+    cands.append(sorted(idx, key=lambda i: (-sizes[i], i)))
+    cands.append(sorted(idx, key=lambda i: (unit(i) != 1, -unit(i), -sizes[i], i)))
+    # the layout depends only on the sequence of (size, unit): plan each sequence once
+    out, seen = [], set()
+    for perm in cands:
+        if perm is None:
+            continue
+        key = tuple((sizes[i], steps[i]) for i in perm)
+        if key not in seen:
+            seen.add(key)
+            out.append(perm)
     return out
 
 
