@@ -661,9 +661,10 @@ def main(argv: list[str] | None = None) -> int:
             last = micro == accum - 1
             ctx = sync_ctx() if (sync_ctx and not last) else contextlib.nullcontext()
             with ctx:
-                with amp(), dropout_rng():
-                    loss = loss_fn(model(x), y)
-                (loss / accum).backward()
+                with dropout_rng():  # backward too: activation checkpointing recomputes
+                    with amp():
+                        loss = loss_fn(model(x), y)
+                    (loss / accum).backward()
             loss_sum += float(loss.detach())
         if dp_mode == "trainer" and dp > 1:
             sync_dp_grads(params, mesh)
