@@ -10,6 +10,7 @@ from __future__ import annotations
 import pytest
 import torch
 import torch.nn.functional as F
+from torch.utils.checkpoint import checkpoint
 
 from vescale.dtensor import (
     DTensor,
@@ -152,6 +153,17 @@ def test_data_parallel_rng_draws_the_global_batch():
         with vrandom.data_parallel_rng(mesh, ["dp"], layout=layout):
             got = F.dropout(x, 0.5).full_tensor()
         assert torch.equal(got, want) and torch.equal(torch.rand(2), ref_next), layout
+        # activation checkpointing: with the backward inside the context, the
+        # recomputation draws the forward's masks again (gradients of one device)
+        w, w_ref = mine.clone().requires_grad_(), full.clone().requires_grad_()
+        torch.manual_seed(4)
+        with vrandom.data_parallel_rng(mesh, "dp", layout=layout):
+            out = checkpoint(lambda t: F.dropout(t, 0.5) * 3, w, use_reentrant=False)
+            out.sum().backward()
+        torch.manual_seed(4)
+        (F.dropout(w_ref, 0.5) * 3).sum().backward()
+        want = w_ref.grad[rows] if rows is not None else w_ref.grad[dp_rank::2]
+        assert torch.equal(w.grad, want), layout
     with pytest.raises(ValueError, match="'pp' is not a mesh dim"):
         with vrandom.data_parallel_rng(mesh, "pp"):
             pass
