@@ -93,6 +93,9 @@ class ParallelConfig:
             trainer's own gradient all-reduce
         tp_submesh: when the trainer does data parallelism itself, parallelize on the
             1-D 'tp' sub-mesh (faster DTensor op planning) instead of the 2-D mesh
+        pp: pipeline-parallel size (stages over a 'pp' mesh dim; 1: no pipeline)
+        pp_schedule: torch.distributed.pipelining schedule of the stages
+        microbatches: micro-batches per pipeline step (0: pp); they replace grad_accum
     """
 
     dp: int = 0
@@ -102,6 +105,9 @@ class ParallelConfig:
     device: Literal["auto", "cpu", "cuda"] = "auto"
     data_parallel: Literal["auto", "ddp", "fsdp", "trainer"] = "auto"
     tp_submesh: bool = True
+    pp: int = 1
+    pp_schedule: Literal["gpipe", "1f1b", "interleaved1f1b"] = "1f1b"
+    microbatches: int = 0
 
 
 @dataclass
@@ -389,6 +395,7 @@ def validate(cfg: Config, world_size: int) -> tuple[int, int]:
         ("model.n_embd", m.n_embd),
         ("model.mlp_ratio", m.mlp_ratio),
         ("parallel.tp", p.tp),
+        ("parallel.pp", p.pp),
         ("train.steps", t.steps),
         ("train.batch_size", t.batch_size),
         ("train.grad_accum", t.grad_accum),
@@ -399,6 +406,7 @@ def validate(cfg: Config, world_size: int) -> tuple[int, int]:
         need(v >= 1, f"--{name} must be >= 1, got {v}")
     for name, v in (
         ("parallel.dp", p.dp),
+        ("parallel.microbatches", p.microbatches),
         ("optim.warmup_steps", o.warmup_steps),
         ("optim.weight_decay", o.weight_decay),
         ("optim.grad_clip", o.grad_clip),
@@ -422,6 +430,7 @@ def validate(cfg: Config, world_size: int) -> tuple[int, int]:
     for name, value in (
         ("optim.name", o.name),
         ("parallel.data_parallel", p.data_parallel),
+        ("parallel.pp_schedule", p.pp_schedule),
         ("parallel.device", p.device),
         ("train.dtype", t.dtype),
     ):
@@ -455,6 +464,45 @@ def validate(cfg: Config, world_size: int) -> tuple[int, int]:
             "(sequence parallelism splits the sequence; or pass --parallel.sequence_parallel false)"
         )
 
+    # Pipeline parallelism: the (pp, tp, dp) mesh; the rest of the checks see world / pp.
+    if p.pp > 1:
+        stages = p.pp * (2 if p.pp_schedule == "interleaved1f1b" else 1)
+        micro = p.microbatches or p.pp
+        need(
+            world_size % p.pp == 0,
+            f"--parallel.pp {p.pp} does not divide the world size {world_size}",
+        )
+        need(
+            m.n_layer >= stages,
+            f"--parallel.pp {p.pp} with {p.pp_schedule} needs {stages} stages: --model.n_layer "
+            f"{m.n_layer} is too small",
+        )
+        need(
+            not m.tie_embeddings,
+            "--parallel.pp > 1 needs --model.tie_embeddings false (the embedding and lm_head "
+            "live on different stages)",
+        )
+        need(
+            t.grad_accum == 1,
+            "--parallel.pp > 1: use --parallel.microbatches, not --train.grad_accum",
+        )
+        need(not o.zero, "--parallel.pp > 1 does not combine with --optim.zero")
+        need(
+            p.data_parallel != "trainer",
+            "--parallel.pp > 1 needs DModule's data parallelism (--parallel.data_parallel auto/ddp/fsdp)",
+        )
+        need(
+            p.pp_schedule != "1f1b" or micro >= stages,
+            f"1F1B needs --parallel.microbatches >= {stages} stages, got {micro}",
+        )
+        need(
+            p.pp_schedule != "interleaved1f1b" or micro % p.pp == 0,
+            f"interleaved 1F1B needs --parallel.microbatches ({micro}) divisible by pp {p.pp}",
+        )
+        if errors:
+            raise ConfigError("invalid configuration:\n  " + "\n  ".join(errors))
+        world_size //= p.pp
+
     # The mesh against the world.
     if p.dp == 0:
         if world_size % p.tp:
@@ -475,7 +523,7 @@ def validate(cfg: Config, world_size: int) -> tuple[int, int]:
                 f"--parallel.dp {dp} x --parallel.tp {p.tp} = {dp * p.tp} must equal the world size "
                 f"{world_size} (or pass --parallel.dp 0 to use world size / tp)"
             )
-    per_step = dp * t.grad_accum
+    per_step = dp * t.grad_accum * ((p.microbatches or p.pp) if p.pp > 1 else 1)
     if t.batch_size % per_step:
         errors.append(
             f"--train.batch_size {t.batch_size} is not divisible by dp {dp} x "

@@ -146,6 +146,39 @@ def parallelize(model: torch.nn.Module, mesh, cfg: Config):
     return DModule(model, sub, plan_for(sub), **opts), "trainer"
 
 
+def pipeline(model: torch.nn.Module, mesh, cfg: Config, device: torch.device):
+    """``--parallel.pp > 1``: stages over "pp", each one DModule'd over ("tp", "dp").
+
+    Returns ``(pipe, dp_mode)``; ``pipe`` is a ``vescale.dmodule.PipelineParallel``
+    (torch's schedule ``--parallel.pp_schedule`` over ``--parallel.microbatches``).
+    """
+    from vescale.dmodule import DModule, pipeline_parallelize
+
+    p = cfg.parallel
+    dp = mesh.size(mesh.mesh_dim_names.index("dp"))
+    engine = DEFAULT_DP_ENGINE if p.data_parallel == "auto" else p.data_parallel
+
+    def parallelize_stage(stage, submesh) -> None:
+        if submesh is None or submesh.size() == 1:
+            return  # plain stage: nothing to shard
+        opts = dict(tp_dim="tp", sequence_parallel=p.sequence_parallel)
+        if dp > 1:
+            opts["data_parallel"] = {"dp": engine}
+        DModule(stage, submesh, None, **opts)
+
+    example = torch.zeros(cfg.train.batch_size // dp, cfg.model.block_size, dtype=torch.long)
+    pipe = pipeline_parallelize(
+        model,
+        mesh,
+        example_inputs=(example.to(device),),
+        loss_fn=loss_fn,
+        microbatches=p.microbatches or p.pp,
+        schedule=p.pp_schedule,
+        parallelize_fn=parallelize_stage,
+    )
+    return pipe, f"dmodule-{engine}" if dp > 1 else "pipeline"
+
+
 def no_sync_context(model):
     """``model.no_sync`` or ``vescale.dmodule.no_sync(model)``, if DModule offers one."""
     fn = getattr(model, "no_sync", None)
@@ -307,9 +340,10 @@ def eval_kwargs(cfg: Config, dp_rank: int, dp_size: int) -> dict:
 
 # --------------------------------------------------------------------------- evaluation
 @torch.no_grad()
-def evaluate(model, corpus, cfg: Config, mesh, amp) -> float:
+def evaluate(model, corpus, cfg: Config, mesh, amp, pipe=None) -> float:
     model.eval()
-    dp_size, dp_rank = mesh.size(0), mesh.get_local_rank(0)
+    dp_size = mesh.size(mesh.mesh_dim_names.index("dp"))
+    dp_rank = mesh.get_local_rank("dp")
     device = next(iter(model.parameters())).device
     total = torch.zeros((), dtype=torch.float64)
     n = 0
@@ -317,10 +351,16 @@ def evaluate(model, corpus, cfg: Config, mesh, amp) -> float:
         corpus.val, **eval_kwargs(cfg, dp_rank, dp_size), n_batches=cfg.train.eval_batches
     ):
         with amp():
-            total += loss_fn(model(x.to(device)), y.to(device)).double().cpu()
+            if pipe is None:
+                total += loss_fn(model(x.to(device)), y.to(device)).double().cpu()
+            else:  # forward only through the stages; the loss is on the last one
+                loss = pipe.eval_step(x.to(device), target=y.to(device))
+                total += 0.0 if loss is None else loss.double().cpu()
         n += 1
     model.train()
     t = (total / n).to(device)
+    if pipe is not None:
+        dist.all_reduce(t, group=mesh.get_group("pp"))  # from the last stage to every rank
     if dp_size > 1:
         dist.all_reduce(t, op=dist.ReduceOp.AVG, group=mesh.get_group("dp"))
     return float(t)
@@ -558,8 +598,12 @@ def main(argv: list[str] | None = None) -> int:
 
     device = pick_device(cfg)
     torch.manual_seed(cfg.train.seed)
-    mesh = init_device_mesh(device.type, (dp, tp), mesh_dim_names=("dp", "tp"))
-    dp_rank = mesh.get_local_rank(0)
+    pp = cfg.parallel.pp
+    if pp > 1:  # dp last: FSDP x TP inside a stage needs it (docs/pipeline.md)
+        mesh = init_device_mesh(device.type, (pp, tp, dp), mesh_dim_names=("pp", "tp", "dp"))
+    else:
+        mesh = init_device_mesh(device.type, (dp, tp), mesh_dim_names=("dp", "tp"))
+    dp_rank = mesh.get_local_rank("dp")
 
     use_bf16 = cfg.train.dtype == "bf16" or (cfg.train.dtype == "auto" and device.type == "cuda")
     if use_bf16 and device.type == "cpu":
@@ -586,7 +630,12 @@ def main(argv: list[str] | None = None) -> int:
     with torch.device(device):
         model = GPT(GPTConfig(**vars(cfg.model)))
     n_params = model.num_params()
-    model, dp_mode = parallelize(model, mesh, cfg)
+    pipe = None
+    if pp > 1:
+        pipe, dp_mode = pipeline(model, mesh, cfg, device)
+        model = pipe.module  # this rank's stage(s), under the model's own parameter names
+    else:
+        model, dp_mode = parallelize(model, mesh, cfg)
     params = [p for p in model.parameters() if p.requires_grad]
     opt, opt_kind = build_optimizer(model, mesh, cfg)
     sched = build_scheduler(opt, cfg)
@@ -594,7 +643,8 @@ def main(argv: list[str] | None = None) -> int:
     tokens_per_step = cfg.train.batch_size * cfg.model.block_size
     info = {
         "world_size": world,
-        "mesh": f"dp={dp} x tp={tp}",
+        "mesh": f"dp={dp} x tp={tp}"
+        + (f" x pp={pp} ({cfg.parallel.pp_schedule})" if pp > 1 else ""),
         "device": str(device.type),
         "backend": dist.get_backend(),
         "params": n_params,
@@ -655,7 +705,14 @@ def main(argv: list[str] | None = None) -> int:
         loss_sum = 0.0
         accum = cfg.train.grad_accum
         sync_ctx = no_sync_context(model) if dp_mode.startswith("dmodule-") else None
-        for micro in range(accum):
+        if pipe is not None:  # torch's schedule runs the micro-batches through the stages
+            x, y = next(train_iter)
+            with amp():
+                loss = pipe.step(x.to(device), target=y.to(device))
+            loss_sum = 0.0 if loss is None else float(loss)
+            max_norm = cfg.optim.grad_clip if cfg.optim.grad_clip > 0 else float("inf")
+            grad_norm = float(pipe.clip_grad_norm_(max_norm))
+        for micro in range(accum if pipe is None else 0):
             x, y = next(train_iter)
             x, y = x.to(device, non_blocking=True), y.to(device, non_blocking=True)
             last = micro == accum - 1
@@ -670,7 +727,7 @@ def main(argv: list[str] | None = None) -> int:
             sync_dp_grads(params, mesh)
         if dp_mode == "optimizer":
             grad_norm = float("nan")  # clipped inside DistributedOptimizer.step()
-        else:
+        elif pipe is None:
             grad_norm = clip_and_norm(params, cfg.optim.grad_clip)
         opt.step()
         sched.step()
@@ -678,6 +735,8 @@ def main(argv: list[str] | None = None) -> int:
 
         # Loss of the global batch: average of the dp ranks' losses (tiny all-reduce).
         loss_t = torch.tensor(loss_sum / accum, dtype=torch.float64, device=device)
+        if pipe is not None:  # only the last stage has the loss
+            dist.all_reduce(loss_t, group=mesh.get_group("pp"))
         if dp > 1:
             dist.all_reduce(loss_t, op=dist.ReduceOp.AVG, group=mesh.get_group("dp"))
         step_loss = float(loss_t)
@@ -717,7 +776,7 @@ def main(argv: list[str] | None = None) -> int:
             and done % cfg.train.eval_interval == 0
             and done < cfg.train.steps
         ):
-            last_eval = evaluate(model, corpus, cfg, mesh, amp)
+            last_eval = evaluate(model, corpus, cfg, mesh, amp, pipe)
             metrics.set_eval(done, round(last_eval, 5))
             tb.scalars(done, **{"eval/loss": last_eval})
             tb.flush()
@@ -746,7 +805,7 @@ def main(argv: list[str] | None = None) -> int:
     steps_run = cfg.train.steps - start_step
 
     # ---- final evaluation, checkpoint, samples
-    last_eval = evaluate(model, corpus, cfg, mesh, amp)
+    last_eval = evaluate(model, corpus, cfg, mesh, amp, pipe)
     metrics.set_eval(cfg.train.steps, round(last_eval, 5))
     tb.scalars(cfg.train.steps, **{"eval/loss": last_eval})
     tb.close()
@@ -761,7 +820,8 @@ def main(argv: list[str] | None = None) -> int:
         log0(f"final checkpoint: {path}")
     vckpt.wait_pending()
 
-    plain = gather_plain_model(model, cfg) if cfg.train.sample_tokens else None
+    # (samples need the whole model on one rank: not gathered across pipeline stages)
+    plain = gather_plain_model(model, cfg) if cfg.train.sample_tokens and pipe is None else None
     if plain is not None:
         if cfg.data.path:
             prompts = [bytes(corpus.val[:24].tolist())]

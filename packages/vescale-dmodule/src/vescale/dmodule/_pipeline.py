@@ -293,6 +293,22 @@ class PipelineParallel:
             return None
         return torch.stack([loss.detach() for loss in losses]).sum()
 
+    @torch.no_grad()
+    def eval_step(
+        self, *inputs: torch.Tensor, target: torch.Tensor | None = None
+    ) -> torch.Tensor | None:
+        """Forward only (torch's ``schedule.eval``): the mean micro-batch loss, no gradients.
+
+        Same arguments and return value as `step`.
+        """
+        losses: list[torch.Tensor] | None = [] if self.has_last_stage else None
+        args = inputs if self.has_first_stage else ()
+        tgt = target if self.has_last_stage else None
+        self.schedule.eval(*args, target=tgt, losses=losses)
+        if losses is None:
+            return None
+        return torch.stack([loss.detach() for loss in losses]).sum()
+
     def parameters(self) -> Iterator[nn.Parameter]:
         """Parameters of this rank's stages."""
         return self.module.parameters()
@@ -321,7 +337,7 @@ class PipelineParallel:
         Returns:
             The total norm of the whole model's gradients (before clipping).
         """
-        from vescale.optim._clip import clip_grads_with_norm_, get_total_norm
+        from vescale.optim import clip_grads_with_norm_, get_total_norm
 
         p = float(norm_type)
         grads = [q.grad for q in self.parameters() if q.grad is not None]
