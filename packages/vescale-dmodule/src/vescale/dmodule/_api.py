@@ -22,12 +22,12 @@ from vescale.dmodule._hooks import (
     make_tensor_hooks,
     refuse_compile_hook,
 )
-from vescale.dmodule._module_state import module_state
 from vescale.dmodule._torch_styles import has_torch_styles, translate_torch_plan
 from vescale.dtensor import distribute_tensor, get_plugin_manager, register_plugin
 
 __all__ = ["DModule", "parallelize_module", "dump_plan", "is_dmodule"]
 
+_STATE = "_vescale_dmodule"
 _OPTIONS = {
     "tp_dim": "tp",
     "sequence_parallel": False,
@@ -103,7 +103,7 @@ class DModule:
         Runs automatically at the end of each backward unless the module was
         parallelized with ``grad_sync=False``; calling it again is a no-op.
         """
-        return module_state(self).dmodule.grad_sync.sync()  # type: ignore[union-attr]
+        return getattr(self, _STATE).grad_sync.sync()
 
 
 _CLASS_CACHE: dict[type, type] = {}
@@ -218,8 +218,7 @@ def _dmodule_class(cls: type) -> type:
 
 def is_dmodule(model: nn.Module) -> bool:
     """True if ``model`` was parallelized by `parallelize_module`."""
-    state = module_state(model)
-    return state is not None and state.dmodule is not None
+    return _STATE in getattr(model, "__dict__", {})
 
 
 def _ensure_plugin() -> None:
@@ -401,7 +400,7 @@ def parallelize_module(
         state = _State(
             device_mesh, plan, resolved, opts, PartialGradSync([], device_mesh, auto=False)
         )
-        module_state(model, create=True).dmodule = state
+        model.__dict__[_STATE] = state
         model.__class__ = _dmodule_class(type(model))
         _apply_data_parallel(model, device_mesh, dp_specs)
         _apply_checkpointing(model, state, ac)
@@ -475,7 +474,7 @@ def parallelize_module(
 
     sync = PartialGradSync(new_params, device_mesh, auto=bool(opts["grad_sync"]))
     state = _State(device_mesh, plan, resolved, opts, sync, handles, implicit=ir)
-    module_state(model, create=True).dmodule = state
+    model.__dict__[_STATE] = state
     model.__class__ = _dmodule_class(type(model))
     _apply_data_parallel(model, device_mesh, dp_specs)
     _apply_checkpointing(model, state, ac)
@@ -643,8 +642,7 @@ def dump_plan(model: nn.Module) -> str:
     Raises:
         ValueError: ``model`` was not parallelized.
     """
-    ms = module_state(model)
-    state: _State | None = None if ms is None else ms.dmodule
+    state: _State | None = model.__dict__.get(_STATE)
     if state is None:
         raise ValueError(f"{type(model).__qualname__} was not parallelized by parallelize_module")
     modules = dict(model.named_modules(remove_duplicate=False))
