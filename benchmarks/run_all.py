@@ -70,6 +70,12 @@ BENCHMARKS = {
         ["--ranks", "2", "4"],
         ["--ranks", "2", "--mparams", "1"],
     ),
+    "pipeline parallel (torch.distributed.pipelining schedules)": (
+        "pipeline_bench.py",
+        "idle fraction vs (p-1)/(m+p-1), activation memory per stage, bytes between stages",
+        ["--pp", "2", "4", "--microbatches", "4", "8"],
+        ["--pp", "2", "--microbatches", "4", "--steps", "2"],
+    ),
     "checkpoint (vs DCP and the disk)": (
         "checkpoint_bench.py",
         "save/load GB/s vs plain DCP and sequential disk writes; async blocking",

@@ -25,7 +25,7 @@ from vescale.dmodule.testing import GPT, GPTConfig
 from vescale.dtensor import DTensor, init_device_mesh
 from vescale.dtensor.testing import distributed
 
-BATCH, SEQ, STEPS, LR = 8, 8, 3, 1e-3
+BATCH, SEQ, STEPS, LR = 8, 8, 2, 1e-3
 
 
 def _cfg(n_layer: int = 4) -> GPTConfig:
