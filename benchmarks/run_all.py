@@ -64,6 +64,12 @@ BENCHMARKS = {
         ["--ranks", "1", "2", "4", "--steps", "3"],
         ["--ranks", "1", "2", "--sizes", "S", "M", "--steps", "1"],
     ),
+    "layout cost model (predicted vs measured)": (
+        "strategy_bench.py",
+        "predicted vs measured step time and memory of every layout of 1, 2, 4 ranks",
+        ["--world", "1", "2", "4", "--steps", "3"],
+        ["--world", "1", "2", "--sizes", "S", "--steps", "2", "--quick"],
+    ),
     "optimizer (vs torch AdamW, ZeroRedundancyOptimizer, naive Muon)": (
         "optim_bench.py",
         "optimizer-state memory per rank and step time; Muon vs every-rank-gathers",
