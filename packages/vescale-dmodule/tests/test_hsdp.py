@@ -19,6 +19,7 @@ import torch.distributed as dist
 import torch.nn.functional as F
 
 from vescale.dmodule import DModule, MixedPrecision, get_dp_engine, no_sync
+from vescale.dmodule._activation_checkpoint import is_checkpointed
 from vescale.dmodule._fsdp import fully_shard
 from vescale.dmodule.testing import MLP
 from vescale.dtensor import DeviceMesh, DTensor, Replicate, Shard, init_device_mesh
@@ -247,7 +248,7 @@ def test_hsdp_activation_checkpointing(reshard):
     model, ref, losses, ref_losses = train_hsdp(ac=True, reshard_after_forward=reshard)
     torch.testing.assert_close(losses, ref_losses, **H.TOL)
     H.assert_params_close(model, ref)
-    assert model._vescale_dmodule.checkpointed == ["blocks.0", "blocks.1"]
+    assert [n for n, m in model.named_modules() if is_checkpointed(m)] == ["blocks.0", "blocks.1"]
 
 
 @distributed(4)

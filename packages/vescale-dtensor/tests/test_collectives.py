@@ -272,3 +272,22 @@ def test_mesh_dim_groups():
     )
     pg = mesh.get_group("dp")
     assert torch.equal(all_gather_coalesced([x], pg)[0], torch.tensor([float(col), float(col + 2)]))
+
+
+@distributed(4)
+def test_resolve_mesh_dim():
+    from vescale.dtensor import resolve_mesh_dim
+
+    mesh = DeviceMesh("cpu", [[0, 1], [2, 3]], mesh_dim_names=("dp", "tp"))
+    assert [resolve_mesh_dim(mesh, d) for d in ("dp", "tp", 0, 1, -1, -2)] == [0, 1, 0, 1, 1, 0]
+    with pytest.raises(ValueError, match=r"dp_dim 'pp' is not in the mesh.*\('dp', 'tp'\)"):
+        resolve_mesh_dim(mesh, "pp", "dp_dim")
+    with pytest.raises(ValueError, match="mesh_dim 2 is out of range for a 2-dim mesh"):
+        resolve_mesh_dim(mesh, 2)
+    with pytest.raises(TypeError, match="must be an int or a mesh dim name"):
+        resolve_mesh_dim(mesh, True)
+    with pytest.raises(TypeError, match="expected a DeviceMesh"):
+        resolve_mesh_dim("mesh", 0)  # type: ignore[arg-type]
+    # the collectives take (mesh, name or negative index) through the same resolver
+    x = torch.tensor([1.0])
+    assert all_reduce(x, (mesh, -1)).item() == 2.0

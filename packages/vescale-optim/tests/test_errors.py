@@ -40,7 +40,7 @@ def test_bad_params_and_dims():
     _clear_caches()
     mesh = init_device_mesh("cpu", (2,), mesh_dim_names=("dp",))
     good = torch.nn.Parameter(distribute_tensor(torch.zeros(4), mesh, [Replicate()]))
-    with pytest.raises(ValueError, match="not a dim of the mesh"):
+    with pytest.raises(ValueError, match="is not in the mesh"):
         DistributedOptimizer([good], torch.optim.AdamW, mesh=mesh, dp_dim="tp")
     with pytest.raises(ValueError, match="out of range"):
         DistributedOptimizer([good], torch.optim.AdamW, mesh=mesh, dp_dim=3)

@@ -15,7 +15,7 @@ from torch.distributed.tensor import DTensor, Replicate
 
 from vescale.dmodule._ddp import replicate
 from vescale.dmodule._dp_common import local_tensor
-from vescale.dtensor._submesh import joint_mesh, lift_placements
+from vescale.dtensor import joint_mesh, lift_placements
 
 __all__ = ["DistributedDataParallel"]
 

@@ -27,8 +27,6 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
-import difflib
-import re
 import types
 from collections.abc import Callable, Iterator, Sequence
 from typing import Any
@@ -38,10 +36,10 @@ from torch import nn
 from torch.utils.checkpoint import checkpoint
 
 from vescale.dmodule import _compat
+from vescale.dmodule._dp_common import select_submodules
+from vescale.dmodule._module_state import dp_engine, module_state
 
 __all__ = ["apply_activation_checkpointing", "resolve_checkpoint_modules", "is_checkpointed"]
-
-_AC_ATTR = "_vescale_activation_checkpoint"
 
 #: What ``activation_checkpointing=`` accepts.
 Selection = bool | str | Sequence[str | nn.Module] | Callable[[str, nn.Module], bool]
@@ -56,21 +54,17 @@ class _ACState:
 
 def is_checkpointed(module: nn.Module) -> bool:
     """True if ``module``'s forward was wrapped by `apply_activation_checkpointing`."""
-    return _AC_ATTR in module.__dict__
+    state = module_state(module)
+    return state is not None and state.checkpoint is not None
 
 
 def _default_modules(model: nn.Module) -> list[str]:
     """The FSDP groups of ``model`` (root excluded), else every ``nn.ModuleList`` element."""
-    from vescale.dmodule._dp_common import DP_STATE_ATTR
-    from vescale.dmodule._fsdp import _default_groups
+    from vescale.dmodule._fsdp_groups import default_groups
 
-    engine = model.__dict__.get(DP_STATE_ATTR)
-    groups = getattr(engine, "groups", None)
-    if groups is not None:
-        names = [g.name for g in groups if g.module is not model]
-        if names:
-            return names
-    return _default_groups(model)
+    engine = dp_engine(model)
+    names = [] if engine is None else engine.checkpoint_candidates(model)
+    return names or default_groups(model)
 
 
 def resolve_checkpoint_modules(model: nn.Module, which: Selection) -> list[str]:
@@ -103,29 +97,8 @@ def resolve_checkpoint_modules(model: nn.Module, which: Selection) -> list[str]:
             )
     elif isinstance(which, str):
         return resolve_checkpoint_modules(model, [which])
-    elif callable(which) and not isinstance(which, nn.Module):
-        chosen = [n for n, m in mods.items() if n and which(n, m)]
-    elif isinstance(which, (list, tuple)):
-        by_id = {id(m): n for n, m in mods.items()}
-        chosen = []
-        for item in which:
-            if isinstance(item, nn.Module):
-                if id(item) not in by_id:
-                    raise ValueError(
-                        f"{what}: {type(item).__name__} is not a submodule of the model"
-                    )
-                chosen.append(by_id[id(item)])
-            elif isinstance(item, str):
-                hits = [n for n in mods if n and re.fullmatch(item, n)]
-                if not hits:
-                    near = difflib.get_close_matches(item, [n for n in mods if n], n=3)
-                    hint = f"; did you mean {near}?" if near else ""
-                    raise ValueError(f"{what}: {item!r} matches no submodule name{hint}")
-                chosen.extend(hits)
-            else:
-                raise TypeError(
-                    f"{what}: expected regex strings or modules, got {type(item).__name__}"
-                )
+    elif (callable(which) and not isinstance(which, nn.Module)) or isinstance(which, (list, tuple)):
+        chosen = select_submodules(model, which, what)
     else:
         raise TypeError(
             f"{what} must be True, a regex, a list of regexes/modules or a predicate "
@@ -164,13 +137,13 @@ def apply_activation_checkpointing(
         if is_checkpointed(mod):
             continue
         inner = mod.__dict__.get("forward")
-        mod.__dict__[_AC_ATTR] = _ACState(model, inner, preserve_rng_state)
+        module_state(mod, create=True).checkpoint = _ACState(model, inner, preserve_rng_state)
         mod.forward = types.MethodType(_checkpointed_forward, mod)
     return names
 
 
 def _checkpointed_forward(self: nn.Module, *args: Any, **kwargs: Any) -> Any:
-    st: _ACState = self.__dict__[_AC_ATTR]
+    st: _ACState = module_state(self).checkpoint  # type: ignore[union-attr,assignment]
     fn = st.inner if st.inner is not None else types.MethodType(type(self).forward, self)
     if not torch.is_grad_enabled():
         return fn(*args, **kwargs)  # nothing is saved: no need to recompute
@@ -188,11 +161,9 @@ def _checkpointed_forward(self: nn.Module, *args: Any, **kwargs: Any) -> Any:
 
 
 def _engines(root: nn.Module) -> list[Any]:
-    from vescale.dmodule._dp_common import DP_STATE_ATTR
-
     out: list[Any] = []
     for m in root.modules():
-        engine = m.__dict__.get(DP_STATE_ATTR)
+        engine = dp_engine(m)
         # one engine runs every module wrapped by per-layer-then-root fully_shard calls
         if engine is not None and not any(engine is e for e in out):
             out.append(engine)
@@ -200,8 +171,8 @@ def _engines(root: nn.Module) -> list[Any]:
 
 
 def _implicit_replication(root: nn.Module) -> Any:
-    state = root.__dict__.get("_vescale_dmodule")
-    return getattr(state, "implicit", None)
+    state = module_state(root)
+    return None if state is None or state.dmodule is None else state.dmodule.implicit
 
 
 @contextlib.contextmanager
@@ -233,7 +204,5 @@ def _recompute_context(root: nn.Module, module: nn.Module) -> Iterator[None]:
             stack.callback(_set_flag, old)
             stack.enter_context(_store_replicated(ir))
         for engine in _engines(root):
-            ctx = getattr(engine, "recompute_context", None)
-            if ctx is not None:
-                stack.enter_context(ctx(module))
+            stack.enter_context(engine.recompute_context(module))
         yield

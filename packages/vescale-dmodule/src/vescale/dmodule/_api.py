@@ -22,12 +22,12 @@ from vescale.dmodule._hooks import (
     make_tensor_hooks,
     refuse_compile_hook,
 )
+from vescale.dmodule._module_state import module_state
 from vescale.dmodule._torch_styles import has_torch_styles, translate_torch_plan
 from vescale.dtensor import distribute_tensor, get_plugin_manager, register_plugin
 
 __all__ = ["DModule", "parallelize_module", "dump_plan", "is_dmodule"]
 
-_STATE = "_vescale_dmodule"
 _OPTIONS = {
     "tp_dim": "tp",
     "sequence_parallel": False,
@@ -71,10 +71,6 @@ class DModule:
 
     def __new__(cls, *args: Any, **kwargs: Any):
         if cls is DModule:
-            if "strategy" in kwargs:  # DModule(model, strategy="auto", global_batch=...)
-                from vescale.dmodule._strategy import parallelize_auto
-
-                return parallelize_auto(*args, **kwargs)
             return parallelize_module(*args, **kwargs)
         return super().__new__(cls)
 
@@ -103,7 +99,7 @@ class DModule:
         Runs automatically at the end of each backward unless the module was
         parallelized with ``grad_sync=False``; calling it again is a no-op.
         """
-        return getattr(self, _STATE).grad_sync.sync()
+        return module_state(self).dmodule.grad_sync.sync()  # type: ignore[union-attr]
 
 
 _CLASS_CACHE: dict[type, type] = {}
@@ -218,7 +214,8 @@ def _dmodule_class(cls: type) -> type:
 
 def is_dmodule(model: nn.Module) -> bool:
     """True if ``model`` was parallelized by `parallelize_module`."""
-    return _STATE in getattr(model, "__dict__", {})
+    state = module_state(model)
+    return state is not None and state.dmodule is not None
 
 
 def _ensure_plugin() -> None:
@@ -400,7 +397,7 @@ def parallelize_module(
         state = _State(
             device_mesh, plan, resolved, opts, PartialGradSync([], device_mesh, auto=False)
         )
-        model.__dict__[_STATE] = state
+        module_state(model, create=True).dmodule = state
         model.__class__ = _dmodule_class(type(model))
         _apply_data_parallel(model, device_mesh, dp_specs)
         _apply_checkpointing(model, state, ac)
@@ -474,7 +471,7 @@ def parallelize_module(
 
     sync = PartialGradSync(new_params, device_mesh, auto=bool(opts["grad_sync"]))
     state = _State(device_mesh, plan, resolved, opts, sync, handles, implicit=ir)
-    model.__dict__[_STATE] = state
+    module_state(model, create=True).dmodule = state
     model.__class__ = _dmodule_class(type(model))
     _apply_data_parallel(model, device_mesh, dp_specs)
     _apply_checkpointing(model, state, ac)
@@ -642,7 +639,8 @@ def dump_plan(model: nn.Module) -> str:
     Raises:
         ValueError: ``model`` was not parallelized.
     """
-    state: _State | None = model.__dict__.get(_STATE)
+    ms = module_state(model)
+    state: _State | None = None if ms is None else ms.dmodule
     if state is None:
         raise ValueError(f"{type(model).__qualname__} was not parallelized by parallelize_module")
     modules = dict(model.named_modules(remove_duplicate=False))
@@ -664,7 +662,4 @@ def dump_plan(model: nn.Module) -> str:
         for name, (key, spec) in table.items():
             label = f"{name}.{io}" if name else io
             lines.append(f"  {label}: {_fmt_spec(spec)}  <- plan key {key!r}")
-    from vescale.dmodule._strategy import describe_strategy
-
-    why = describe_strategy(model)  # DModule(..., strategy="auto"): the ranking
-    return "\n".join(lines + ([why] if why else []))
+    return "\n".join(lines)

@@ -40,31 +40,34 @@ from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor, Replicate
 
+from vescale.debug import declare_replicated
 from vescale.dmodule import _compat
 from vescale.dmodule._dp_common import (
-    DP_STATE_ATTR,
     MixedPrecision,
-    SyncToggle,
     cast_floating,
     check_not_wrapped,
     check_one_device,
     local_tensor,
     param_paths,
-    resolve_dp_dim,
     resolve_mixed_precision,
     swap_param,
 )
-from vescale.dtensor._grad_sync_debug import declare_replicated
-from vescale.dtensor._submesh import lift_placements
+from vescale.dmodule._module_state import DataParallelEngine, module_state
+from vescale.dtensor import lift_placements, resolve_mesh_dim
 from vescale.dtensor.hooks import weak_hook
 
 __all__ = ["replicate", "DDPEngine"]
 
 
+#: Name of the slot of a bucket's layout that holds one "used" flag per parameter.
+_FLAGS = "<used flags>"
+
+
 @dataclasses.dataclass
 class _Bucket:
     index: int
-    buf: torch.Tensor  # grads then one "used" flag per parameter
+    fb: Any  # FlatBuffer; its unsharded buffer is ``buf``
+    buf: torch.Tensor  # grads then one "used" flag per parameter (a FlatLayout, unsharded)
     params: list[nn.Parameter]
     ranges: list[tuple[int, int]]
     grad_views: list[torch.Tensor]  # the .grad of each parameter (a DTensor for DTensors)
@@ -80,10 +83,10 @@ class _Bucket:
 
     @property
     def flags(self) -> torch.Tensor:
-        return self.buf[self.data_numel :]
+        return self.buf[self.data_numel : self.data_numel + len(self.params)]
 
 
-class DDPEngine(SyncToggle):
+class DDPEngine(DataParallelEngine):
     """State and hooks of one `replicate`-d module.
 
     Attributes:
@@ -151,30 +154,32 @@ class DDPEngine(SyncToggle):
             id(p): p.grad for p in self._params if p.grad is not None and id(p) in self._bucket_of
         }
         self._trainable_key = tuple(p.requires_grad for p in self._params)
-        # buckets: reverse registration order (roughly the order gradients become ready)
+        # buckets: reverse registration order (roughly the order gradients become ready),
+        # one FlatLayout each (vescale.ragged, the one flat-buffer engine): the gradients
+        # then one "used" flag per parameter, kept unsharded and all-reduced whole
+        from vescale.ragged import FlatBuffer, ParamSpec, bucket_specs, plan_flat_buffers
+
         trainable = [p for p in reversed(self._params) if p.requires_grad]
-        groups: list[list[nn.Parameter]] = []
-        open_by_dtype: dict[torch.dtype, tuple[list, int]] = {}
-        for p in trainable:
-            loc = local_tensor(p)
-            nbytes = loc.numel() * loc.element_size()
-            cur = open_by_dtype.get(loc.dtype)
-            if cur is None or (cur[1] + nbytes > self._cap and cur[0]):
-                cur = ([], 0)
-                groups.append(cur[0])
-            cur[0].append(p)
-            open_by_dtype[loc.dtype] = (cur[0], cur[1] + nbytes)
+        specs = [
+            ParamSpec(str(i), (local_tensor(p).numel(),), local_tensor(p).dtype)
+            for i, p in enumerate(trainable)
+        ]
         self.buckets = []
         self._bucket_of = {}
-        for ps in groups:
+        for group in bucket_specs(specs, self._cap):
+            ps = [trainable[int(spec.name)] for spec in group]
             locs = [local_tensor(p) for p in ps]
-            n = sum(t.numel() for t in locs)
-            buf = torch.zeros(n + len(ps), dtype=locs[0].dtype, device=self._device)
-            ranges, grad_views, off = [], [], 0
-            for p, t in zip(ps, locs):
-                view = buf[off : off + t.numel()].view(t.shape)
-                ranges.append((off, off + t.numel()))
-                off += t.numel()
+            flags = ParamSpec(_FLAGS, (len(ps),), locs[0].dtype)
+            (layout,) = plan_flat_buffers([*group, flags], self.world).values()
+            buf = torch.zeros(layout.numel, dtype=layout.dtype, device=self._device)
+            a, e = layout.rank_ranges[self.mesh.get_local_rank(self.dp_dim)]
+            fb = FlatBuffer(layout, self.mesh, self.dp_dim, local=buf[a:e])
+            views = fb.full_views(buf)
+            ranges, grad_views = [], []
+            for spec, p, t in zip(group, ps, locs):
+                slot = layout[spec.name]
+                view = views[spec.name].view(t.shape)
+                ranges.append((slot.offset, slot.stop))
                 if isinstance(p, DTensor):
                     view = DTensor.from_local(
                         view,
@@ -185,7 +190,7 @@ class DDPEngine(SyncToggle):
                         stride=p.stride(),
                     )
                 grad_views.append(view)
-            b = _Bucket(len(self.buckets), buf, ps, ranges, grad_views, n)
+            b = _Bucket(len(self.buckets), fb, buf, ps, ranges, grad_views, layout[_FLAGS].offset)
             b.placeholder = [False] * len(ps)
             self.buckets.append(b)
             for i, p in enumerate(ps):
@@ -305,7 +310,7 @@ class DDPEngine(SyncToggle):
             if self.reduce_dtype is not None and self.reduce_dtype != buf.dtype:
                 b.reduce_buf = buf = buf.to(self.reduce_dtype)
                 self.cast_copy_bytes += buf.numel() * buf.element_size()
-            b.work = dist.all_reduce(buf, op=dist.ReduceOp.AVG, group=self.pg, async_op=True)
+            b.work = b.fb.all_reduce(buf, op="avg", async_op=True)
 
     @torch.no_grad()
     def _finish(self) -> None:
@@ -380,7 +385,7 @@ def replicate(
             on ``dp_dim``. All before any collective.
     """
     what = "replicate"
-    dim = resolve_dp_dim(mesh, dp_dim)
+    dim = resolve_mesh_dim(mesh, dp_dim, "dp_dim")
     if not isinstance(module, nn.Module):
         raise TypeError(f"{what}: expected an nn.Module, got {type(module).__name__}")
     check_not_wrapped(module, what)
@@ -410,7 +415,7 @@ def replicate(
         device=device,
         mixed_precision=mp,
     )
-    module.__dict__[DP_STATE_ATTR] = engine
+    module_state(module, create=True).dp_engine = engine
     from vescale.dmodule._dp_module import ReplicatedModule, swap_class
 
     swap_class(module, ReplicatedModule, "Replicated")

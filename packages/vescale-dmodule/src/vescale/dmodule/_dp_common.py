@@ -1,7 +1,7 @@
 """Shared pieces of the data-parallel engines (`._ddp`, `._fsdp`).
 
-* input validation that runs before any collective (mesh dim by name or index,
-  one device for all parameters, a module is wrapped only once);
+* input validation that runs before any collective (mesh dims by name or index
+  through `vescale.dtensor.resolve_mesh_dim`, one device for all parameters, a module is wrapped only once);
 * parameter paths: every ``(submodule, attribute)`` under which a parameter is
   registered, so that tied weights are swapped together;
 * `MixedPrecision`;
@@ -11,9 +11,10 @@
 
 from __future__ import annotations
 
-import contextlib
 import dataclasses
-from collections.abc import Iterable, Iterator
+import difflib
+import re
+from collections.abc import Iterable
 from typing import Any
 
 import torch
@@ -22,13 +23,12 @@ from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor
 
 from vescale.dmodule import _compat
+from vescale.dmodule._module_state import dp_engine
 
 __all__ = [
-    "DP_STATE_ATTR",
     "MixedPrecision",
     "resolve_mixed_precision",
     "cast_floating",
-    "resolve_dp_dim",
     "check_not_wrapped",
     "check_one_device",
     "param_paths",
@@ -37,10 +37,8 @@ __all__ = [
     "local_tensor",
     "dp_last_mesh",
     "check_dp_replicated",
+    "select_submodules",
 ]
-
-#: Attribute (in the module's ``__dict__``) holding the DDP/FSDP engine of a module.
-DP_STATE_ATTR = "_vescale_dp_state"
 
 
 @dataclasses.dataclass(frozen=True)
@@ -115,29 +113,10 @@ def cast_floating(values: Any, dtype: torch.dtype | None) -> Any:
     )
 
 
-def resolve_dp_dim(mesh: DeviceMesh, dp_dim: int | str) -> int:
-    """Index of ``dp_dim`` (a name or an index) in ``mesh``; ``ValueError`` otherwise."""
-    if not isinstance(mesh, DeviceMesh):
-        raise TypeError(f"expected a DeviceMesh, got {type(mesh).__name__}")
-    names = tuple(mesh.mesh_dim_names or ())
-    if isinstance(dp_dim, str):
-        if dp_dim not in names:
-            raise ValueError(
-                f"data-parallel mesh dim {dp_dim!r} is not in the mesh (dims: {names or 'unnamed'}, "
-                f"shape {tuple(mesh.shape)})"
-            )
-        return names.index(dp_dim)
-    if isinstance(dp_dim, bool) or not isinstance(dp_dim, int):
-        raise TypeError(f"dp_dim must be a mesh dim name or index, got {dp_dim!r}")
-    if not 0 <= dp_dim < mesh.ndim:
-        raise ValueError(f"data-parallel mesh dim {dp_dim} out of range for a {mesh.ndim}-dim mesh")
-    return dp_dim
-
-
 def check_not_wrapped(module: nn.Module, what: str) -> None:
     """Raise if ``module`` or one of its submodules already has a DDP/FSDP engine."""
     for name, sub in module.named_modules():
-        state = sub.__dict__.get(DP_STATE_ATTR)
+        state = dp_engine(sub)
         if state is not None:
             where = f"submodule {name!r}" if name else "the module"
             raise ValueError(
@@ -190,7 +169,7 @@ def check_dp_replicated(
 
     from torch.distributed.tensor import Replicate
 
-    from vescale.dtensor._redistribute import localize
+    from vescale.dtensor import localize
 
     coords = list(itertools.product(*(range(n) for n in mesh.shape)))
     skip = set(skip)
@@ -307,7 +286,7 @@ def dp_memory_bytes(
             for v in st.values():
                 add("optim", v)
     for sub in module.modules():
-        state = sub.__dict__.get(DP_STATE_ATTR)
+        state = dp_engine(sub)
         if state is not None:
             for t in state.engine_tensors():
                 add("engine", t)
@@ -315,17 +294,40 @@ def dp_memory_bytes(
     return out
 
 
-class SyncToggle:
-    """``no_sync()`` for the data-parallel engines: gradients accumulate locally inside."""
+def select_submodules(model: nn.Module, which: Any, what: str) -> list[str]:
+    """Names (``named_modules()``) of the submodules ``which`` selects, in module order.
 
-    _sync: bool = True
+    ``which`` is a predicate ``(name, module) -> bool`` or a list of regexes (full
+    match; each must match a submodule) and/or submodules of ``model``; the root
+    (name ``""``) is never selected. Used for FSDP's ``groups=`` and for
+    ``activation_checkpointing=``.
 
-    @contextlib.contextmanager
-    def no_sync(self) -> Iterator[None]:
-        """Backward passes inside accumulate gradients locally; no communication."""
-        prev = self._sync
-        self._sync = False
-        try:
-            yield
-        finally:
-            self._sync = prev
+    Raises:
+        ValueError: A regex that matches nothing (with the nearest names) or a module
+            that is not in ``model``, naming ``what``.
+        TypeError: An item that is neither a regex string nor a module.
+    """
+    mods = dict(model.named_modules())
+    if callable(which) and not isinstance(which, (nn.Module, list, tuple)):
+        return [n for n, m in mods.items() if n and which(n, m)]
+    by_id = {id(m): n for n, m in mods.items()}
+    chosen: list[str] = []
+    for item in which:
+        if isinstance(item, nn.Module):
+            if id(item) not in by_id:
+                raise ValueError(
+                    f"{what}: {type(item).__name__} is not a submodule of the model "
+                    "(it is not in the module)"
+                )
+            chosen.append(by_id[id(item)])
+        elif isinstance(item, str):
+            hits = [n for n in mods if n and re.fullmatch(item, n)]
+            if not hits:
+                near = difflib.get_close_matches(item, [n for n in mods if n], n=3)
+                hint = f"; did you mean {near}?" if near else ""
+                raise ValueError(f"{what}: {item!r} matches no submodule name{hint}")
+            chosen.extend(hits)
+        else:
+            raise TypeError(f"{what}: expected regex strings or modules, got {type(item).__name__}")
+    order = {n: i for i, n in enumerate(mods)}
+    return sorted({n for n in chosen if n}, key=order.__getitem__)

@@ -15,7 +15,7 @@ from typing import Any
 
 from torch import nn
 
-from vescale.dmodule._dp_common import DP_STATE_ATTR
+from vescale.dmodule._module_state import dp_engine
 
 __all__ = ["FullyShardedModule", "ReplicatedModule", "swap_class"]
 
@@ -36,7 +36,7 @@ def swap_class(module: nn.Module, mixin: type, prefix: str) -> None:
 
 
 def _engine(module: nn.Module, kind: str) -> Any:
-    engine = module.__dict__.get(DP_STATE_ATTR)
+    engine = dp_engine(module)
     if engine is None:
         raise RuntimeError(f"{type(module).__qualname__} has no {kind} engine")
     return engine
@@ -123,7 +123,7 @@ class ReplicatedModule:
             requires_gradient_sync: All-reduce gradients in backward.
             recurse: Accepted for FSDP2 compatibility; one DDP engine covers the module.
         """
-        _engine(self, "DDP")._sync = bool(requires_gradient_sync)
+        _engine(self, "DDP").set_gradient_sync(requires_gradient_sync)
 
     @contextlib.contextmanager
     def no_sync(self) -> Iterator[None]:

@@ -70,6 +70,11 @@ class PartialGradSync:
             h.remove()
         self._handles.clear()
 
+    def release(self) -> None:
+        """Stop watching the parameters (another engine replaced them): hooks and references."""
+        self.remove_hooks()
+        self.params = []
+
     @torch.no_grad()
     def sync(self) -> int:
         """Reduce every ``Partial`` gradient now; return the number of collectives issued."""

@@ -16,8 +16,11 @@ from vescale.dtensor._redistribute import (
     StepContext,
     application_order,
     get_plan,
+    localize,
 )
+from vescale.dtensor._submesh import drop_dim, joint_mesh, lift_placements
 from vescale.dtensor.api import distribute_tensor, from_local, redistribute
+from vescale.dtensor.collectives import resolve_mesh_dim
 from vescale.dtensor.device_mesh import (
     DeviceMesh,
     MeshMismatchError,
@@ -47,6 +50,7 @@ __all__ = [
     "__version__",
     "DeviceMesh",
     "MeshMismatchError",
+    "resolve_mesh_dim",
     "init_device_mesh",
     "set_default_timeout",
     "get_default_timeout",
@@ -73,5 +77,9 @@ __all__ = [
     "RedistributePlan",
     "get_plan",
     "application_order",
+    "localize",
+    "lift_placements",
+    "drop_dim",
+    "joint_mesh",
     "weak_hook",
 ]

@@ -22,6 +22,7 @@ __all__ = [
     "CollectiveHandle",
     "GroupLike",
     "avg_is_native",
+    "resolve_mesh_dim",
     "funcol",
     "reduce_op_name",
     "resolve_group",
@@ -43,6 +44,40 @@ _REDUCE_OPS = {
 _AVG_NATIVE: dict[str, bool] = {}
 
 
+def resolve_mesh_dim(mesh: DeviceMesh, dim: int | str, what: str = "mesh_dim") -> int:
+    """Index of the mesh dim ``dim`` (a name or an index, negative counts from the end).
+
+    Args:
+        mesh: The device mesh.
+        dim: A name from ``mesh.mesh_dim_names`` or an index.
+        what: How the caller calls the argument, for the error message (e.g. ``"dp_dim"``).
+
+    Returns:
+        The index in ``range(mesh.ndim)``.
+
+    Raises:
+        TypeError: ``mesh`` is not a ``DeviceMesh`` or ``dim`` is neither a str nor an int.
+        ValueError: A name the mesh does not have or an index out of range, naming the
+            mesh's dims.
+    """
+    if not isinstance(mesh, DeviceMesh):
+        raise TypeError(f"{what}: expected a DeviceMesh, got {type(mesh).__name__}")
+    names = tuple(mesh.mesh_dim_names or ())
+    dims = f"mesh dims: {names or 'unnamed'}, shape {tuple(mesh.shape)}"
+    if isinstance(dim, str):
+        if dim not in names:
+            raise ValueError(
+                f"{what} {dim!r} is not in the mesh: the mesh has no dim named {dim!r} "
+                f"({dims}); pass one of the names or an index"
+            )
+        return names.index(dim)
+    if isinstance(dim, bool) or not isinstance(dim, int):
+        raise TypeError(f"{what} must be an int or a mesh dim name, got {dim!r}")
+    if not -mesh.ndim <= dim < mesh.ndim:
+        raise ValueError(f"{what} {dim} is out of range for a {mesh.ndim}-dim mesh ({dims})")
+    return dim % mesh.ndim
+
+
 def resolve_group(group: GroupLike) -> dist.ProcessGroup:
     """Turn ``None`` (world), a process group or ``(mesh, mesh_dim)`` into a process group.
 
@@ -60,7 +95,7 @@ def resolve_group(group: GroupLike) -> dist.ProcessGroup:
         return group
     if isinstance(group, tuple) and len(group) == 2 and isinstance(group[0], DeviceMesh):
         mesh, mesh_dim = group
-        return mesh.get_group(mesh_dim)
+        return mesh.get_group(resolve_mesh_dim(mesh, mesh_dim))
     raise TypeError(
         f"group must be None, a ProcessGroup or a (DeviceMesh, mesh_dim) tuple, got {group!r}"
     )

@@ -38,6 +38,7 @@ from ._collectives_impl import (
     funcol,
     reduce_op_name,
     resolve_group,
+    resolve_mesh_dim,
     wait,
 )
 
@@ -51,6 +52,7 @@ __all__ = [
     "all_to_all_single_uneven",
     "reduce_scatter_coalesced",
     "reduce_scatter_uneven",
+    "resolve_mesh_dim",
 ]
 
 #: ``all_gather_uneven(method="auto")`` pads when padding adds at most this

@@ -16,7 +16,6 @@ from vescale.optim import _compat
 __all__ = [
     "is_sharded",
     "sharded_mesh_dims",
-    "resolve_mesh_dim",
     "local_of",
     "normalize_param_groups",
     "ragged_shard",
@@ -38,24 +37,6 @@ def is_sharded(p: Placement) -> bool:
 def sharded_mesh_dims(placements: Iterable[Placement]) -> tuple[int, ...]:
     """Indices of the mesh dims on which ``placements`` shard the tensor."""
     return tuple(i for i, p in enumerate(placements) if is_sharded(p))
-
-
-def resolve_mesh_dim(mesh: DeviceMesh, dim: int | str, what: str = "dp_dim") -> int:
-    """Turn a mesh dim index or name into an index, with a clear error."""
-    names = tuple(mesh.mesh_dim_names or ())
-    if isinstance(dim, str):
-        if dim not in names:
-            raise ValueError(
-                f"{what}={dim!r} is not a dim of the mesh (mesh dims: "
-                f"{names if names else 'unnamed, ' + str(mesh.ndim) + ' dims'}); "
-                "pass one of the names or an index"
-            )
-        return names.index(dim)
-    if isinstance(dim, bool) or not isinstance(dim, int):
-        raise TypeError(f"{what} must be an int or a mesh dim name, got {dim!r}")
-    if not -mesh.ndim <= dim < mesh.ndim:
-        raise ValueError(f"{what}={dim} is out of range for a {mesh.ndim}-dim mesh {names or ''}")
-    return dim % mesh.ndim
 
 
 def dim_label(mesh: DeviceMesh, dim: int) -> str:

@@ -13,13 +13,15 @@ from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor, Partial, Placement, Replicate
 
-from vescale.dtensor import distribute_tensor, from_local, redistribute
-from vescale.dtensor._submesh import drop_dim, lift_placements
-from vescale.dtensor.collectives import (
-    CollectiveHandle,
-    all_gather_uneven,
-    reduce_scatter_uneven,
+from vescale.dtensor import (
+    distribute_tensor,
+    drop_dim,
+    from_local,
+    lift_placements,
+    redistribute,
+    resolve_mesh_dim,
 )
+from vescale.dtensor.collectives import all_gather_uneven
 from vescale.optim import _compat
 from vescale.optim._clip import total_norm_of_locals
 from vescale.optim._utils import (
@@ -27,7 +29,6 @@ from vescale.optim._utils import (
     local_of,
     normalize_param_groups,
     ragged_shard,
-    resolve_mesh_dim,
     sharded_mesh_dims,
 )
 
@@ -87,11 +88,6 @@ def _check_optimizer_cls(cls: Any) -> None:
     )
 
 
-def _even_bounds(total: int, n: int) -> list[tuple[int, int]]:
-    """Contiguous per-rank ranges of ``total`` elements; sizes differ by at most one."""
-    return [(r * total // n, (r + 1) * total // n) for r in range(n)]
-
-
 #: Bucket size used by ``overlap_param_gather=True`` when ``bucket_cap_mb`` is not given.
 DEFAULT_OVERLAP_BUCKET_MB = 25.0
 
@@ -114,11 +110,15 @@ class _ParamInfo:
 
 @dataclass
 class _Bucket:
+    """One dtype's flat buffer (a `vescale.ragged.FlatBuffer` over the dp dim)."""
+
     index: int
     dtype: torch.dtype
     params: list[_ParamInfo]
-    sizes: list[int] = field(default_factory=list)  # per dp rank
-    pending: CollectiveHandle | None = field(default=None, repr=False)
+    fb: Any = field(default=None, repr=False)  # FlatBuffer; local: the master slices, if any
+    # [start, stop) of the padding inside this rank's slice (zeroed in what it sends)
+    slice_padding: list[tuple[int, int]] = field(default_factory=list)
+    pending: Any = field(default=None, repr=False)  # FlatWork of the parameter all-gather
 
 
 def _waiting_hook(ref: weakref.ReferenceType, buckets: tuple[int, ...], reason: str):
@@ -301,7 +301,7 @@ class DistributedOptimizer(torch.optim.Optimizer):
                 "model=..."
             )
         self.mesh = mesh
-        self.dp_dim = resolve_mesh_dim(mesh, dp_dim)
+        self.dp_dim = resolve_mesh_dim(mesh, dp_dim, "dp_dim")
         self.dp_size = mesh.size(self.dp_dim)
         self.dp_rank = mesh.get_local_rank(self.dp_dim)
         self.master_dtype = master_dtype
@@ -415,45 +415,58 @@ class DistributedOptimizer(torch.optim.Optimizer):
         return _ParamInfo(index, name, p, pls, local.numel(), sharded_dims=dims)
 
     def _plan_buckets(self) -> list[_Bucket]:
+        """Buckets as flat buffers of the one flat-buffer engine (`vescale.ragged`).
+
+        Parameters are grouped per dtype (capped at ``bucket_cap_mb``) by
+        `vescale.ragged.bucket_specs`; each bucket's flattened local tensors are laid
+        out by `vescale.ragged.plan_flat_buffers` (element granularity, given order: one
+        slice of ``ceil(total / N)`` elements per dp rank, the padding at the end) and
+        moved by a `vescale.ragged.FlatBuffer` (one reduce-scatter and one all-gather
+        per bucket and step).
+        """
+        from vescale.ragged import FlatBuffer, ParamSpec, bucket_specs, plan_flat_buffers
+
         cap = None if self.bucket_cap_mb is None else self.bucket_cap_mb * 2**20
-        buckets: list[_Bucket] = []
-        open_by_dtype: dict[torch.dtype, _Bucket] = {}
-        filled: dict[int, int] = {}  # bucket index -> elements so far
-        for info in self._infos:
-            dtype = info.param.dtype
-            b = open_by_dtype.get(dtype)
-            if b is not None and cap is not None:
-                esize = torch.empty((), dtype=dtype).element_size()
-                if (filled[b.index] + info.numel) * esize > cap:
-                    b = None
-            if b is None:
-                b = _Bucket(len(buckets), dtype, [])
-                buckets.append(b)
-                open_by_dtype[dtype] = b
-                filled[b.index] = 0
-            b.params.append(info)
-            filled[b.index] += info.numel
+        specs = [ParamSpec(str(i.index), (i.numel,), i.param.dtype) for i in self._infos]
         n, r = self.dp_size, self.dp_rank
-        for b in buckets:
-            total = 0
-            for info in b.params:
-                info.offset = total
+        buckets: list[_Bucket] = []
+        for group in bucket_specs(specs, cap):
+            (layout,) = plan_flat_buffers(group, n).values()
+            infos = [self._infos[int(spec.name)] for spec in group]
+            device = local_of(infos[0].param).device
+            start, stop = layout.rank_ranges[r]
+            if self.master_dtype is not None:
+                # the master slices are views of one flat buffer (the rank's slice)
+                local = torch.zeros(stop - start, dtype=self.master_dtype, device=device)
+            else:
+                # the slices are views of the parameters: the buffer needs no storage
+                local = torch.empty(stop - start, dtype=layout.dtype, device=device)
+                local.untyped_storage().resize_(0)
+            fb = FlatBuffer(layout, self.mesh, self.dp_dim, local=local)
+            b = _Bucket(len(buckets), layout.dtype, infos, fb)
+            b.slice_padding = [
+                (max(a, start) - start, min(e, stop) - start)
+                for a, e in fb.padding_ranges()
+                if min(e, stop) > max(a, start)
+            ]
+            for info in infos:
+                name = str(info.index)
+                slot = layout[name]
+                info.offset = slot.offset
                 info.bucket = b.index
-                total += info.numel
-            bounds = _even_bounds(total, n)
-            b.sizes = [hi - lo for lo, hi in bounds]
-            for info in b.params:
-                a, e = info.offset, info.offset + info.numel
-                info.counts = [max(0, min(e, hi) - max(a, lo)) for lo, hi in bounds]
-                lo, hi = bounds[r]
-                info.lo = min(max(lo - a, 0), info.numel)
-                info.hi = max(min(hi - a, info.numel), info.lo)
+                pieces = [layout.piece(name, q) for q in range(n)]
+                info.counts = [e - a for a, e in pieces]
+                lo, hi = pieces[r]
+                info.lo = min(max(lo - slot.offset, 0), info.numel)
+                info.hi = max(min(hi - slot.offset, info.numel), info.lo)
                 mine = local_of(info.param).detach().view(-1)[info.lo : info.hi]
                 if self.master_dtype is None:
                     # a view: the inner optimizer updates this rank's slice in place
                     info.shard = mine
                 else:
-                    info.shard = mine.to(self.master_dtype, copy=True)
+                    info.shard = fb.local_view(name)
+                    info.shard.copy_(mine)
+            buckets.append(b)
         return buckets
 
     def _register_hooks(self, model: nn.Module) -> None:
@@ -548,40 +561,46 @@ class DistributedOptimizer(torch.optim.Optimizer):
         return local * scale if scale != 1.0 else local
 
     def _reduce_scatter_grads(self) -> None:
-        group = (self.mesh, self.dp_dim)
         self._had_grads = any(i.param.grad is not None for i in self._infos)
         for bucket in self._buckets:
             rdtype = self.grad_reduce_dtype or bucket.dtype
-            pieces = []
+            fb = bucket.fb
+            flat = fb.new_full_buffer(dtype=rdtype, device=local_of(bucket.params[0].param).device)
+            for a, e in fb.padding_ranges():
+                flat[a:e].zero_()
             has_grad = []
             for info in bucket.params:
                 g = info.param.grad
                 has_grad.append(g is not None)
+                view = flat[info.offset : info.offset + info.numel]
                 if g is None:
-                    pieces.append(torch.zeros(info.numel, dtype=rdtype, device=info.shard.device))
+                    view.zero_()
                 else:
-                    pieces.append(self._local_grad(info, g).to(rdtype))
-            flat = torch.cat(pieces) if pieces else torch.zeros(0, dtype=rdtype)
-            mine = reduce_scatter_uneven(flat, bucket.sizes, group, op="avg")
-            off = 0
+                    view.copy_(self._local_grad(info, g))
+            mine = fb.reduce_scatter(flat, op="avg")
             for info, hg in zip(bucket.params, has_grad):
-                m = info.hi - info.lo
                 if hg:
-                    info.shard.grad = mine[off : off + m].to(info.shard.dtype)
+                    info.shard.grad = fb.local_view(str(info.index), mine).to(info.shard.dtype)
                 else:
                     info.shard.grad = None
-                off += m
                 if self.zero_stage >= 2:
                     info.param.grad = None
 
     def _launch_param_gather(self) -> None:
         """Start one all-gather per bucket of the updated slices (no waiting)."""
-        group = (self.mesh, self.dp_dim)
         for bucket in self._buckets:
             if bucket.pending is not None:  # never two gathers in flight for one bucket
                 self._wait_bucket(bucket, "step")
-            mine = torch.cat([i.shard.detach().to(bucket.dtype) for i in bucket.params])
-            bucket.pending = all_gather_uneven(mine, group, sizes=bucket.sizes, async_op=True)
+            fb = bucket.fb
+            if self.master_dtype is not None:
+                src = fb.local.detach().to(bucket.dtype)
+            else:
+                src = fb.new_slice(dtype=bucket.dtype)
+                for info in bucket.params:
+                    fb.local_view(str(info.index), src).copy_(info.shard.detach())
+            for a, e in bucket.slice_padding:
+                src[a:e].zero_()
+            bucket.pending = fb.all_gather(src=src, async_op=True)
 
     def _wait_bucket(self, bucket: _Bucket, reason: str) -> None:
         handle = bucket.pending
@@ -589,7 +608,7 @@ class DistributedOptimizer(torch.optim.Optimizer):
             return
         bucket.pending = None
         full = handle.wait()
-        # full is in rank order; every param's elements are contiguous in it
+        # the unsharded buffer: every param's elements are contiguous in it
         with torch.no_grad():
             for info in bucket.params:
                 local_of(info.param).view(-1).copy_(full[info.offset : info.offset + info.numel])

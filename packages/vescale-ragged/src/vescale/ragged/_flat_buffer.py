@@ -1,39 +1,133 @@
-"""``FlatBuffer``: one contiguous storage per dtype for a rank's shard of many parameters.
+"""The flat-buffer engine: `FlatBuffer` (one storage per dtype) and its collectives.
 
-Given a `FlatLayout` and a mesh dim, a ``FlatBuffer`` owns the
-rank's slice of the layout's global buffer. Every parameter's local tensor is a view
-of that slice, and `FlatBuffer.dtensor` wraps it as a DTensor whose placement
-on the mesh dim is the parameter's ``RaggedShard`` (``Replicate()`` on the other
-dims). Collectives move the whole buffer at once, straight between the flat
-buffers, with no copy-in or copy-out:
+A `FlatLayout` (from `plan_flat_buffers`) says where many parameters live in one
+flat buffer per dtype and which ``[start, stop)`` slice of it each rank of a mesh dim
+owns. Given a layout and a mesh dim, a ``FlatBuffer`` owns the rank's slice: every
+parameter's local tensor is a view of it, and `FlatBuffer.dtensor` wraps it as a
+DTensor whose placement on the mesh dim is the parameter's ``RaggedShard``
+(``Replicate()`` on the other dims). Its collectives move a whole buffer at once,
+straight between flat buffers, with no copy-in or copy-out; each one runs
+synchronously or, with ``async_op=True``, returns a `FlatWork` whose ``wait()``
+finishes it:
 
 * `FlatBuffer.all_gather` gathers every rank's slice into an unsharded buffer
-  whose per-parameter views (`FlatBuffer.full_views`) are the full parameters;
-* `FlatBuffer.reduce_scatter` reduces a flat gradient buffer (same layout)
-  into the rank's gradient slice.
+  whose per-parameter views (`FlatBuffer.full_views`) are the full parameters
+  (FSDP's unshard, ZeRO's parameter gather);
+* `FlatBuffer.reduce_scatter` reduces an unsharded buffer (e.g. gradients) into
+  the rank's slice (FSDP's and ZeRO's gradient reduction);
+* `FlatBuffer.all_reduce` reduces a whole buffer, unsharded or a slice, over the
+  mesh dim or another one (DDP's gradient buckets, HSDP's replicate dim).
+
+The buffers a collective takes may have any dtype (a bf16 compute copy of an fp32
+shard, a gradient buffer in the reduce dtype): the layout fixes element counts and
+offsets, not the element type.
 
 With an *even* layout (the planner's default) each is one even collective. With a
-weighted layout (uneven slices; gloo has no uneven all-gather) the gather is one
-broadcast per rank straight into the destination's views and the reduce-scatter
-is one uneven ``reduce_scatter`` over views; only the rank's own slice is copied
-locally in the gather, and `FlatBuffer.extra_copy_bytes` counts it.
+weighted layout (uneven slices) the gather and the reduce-scatter are
+`vescale.dtensor.collectives.all_gather_uneven` / ``reduce_scatter_uneven`` (gloo
+has no uneven all-gather) plus one copy into the destination, which
+`FlatBuffer.extra_copy_bytes` counts.
+
+`bucket_specs` groups parameters into size-capped, one-dtype buckets (DDP's and
+ZeRO's gradient buckets), each then planned as one `FlatLayout`.
 """
 
 from __future__ import annotations
 
-from collections.abc import Mapping
+from collections.abc import Callable, Iterable, Mapping, Sequence
+from typing import Any
 
 import torch
 import torch.distributed as dist
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor, Placement, Replicate
 
+from vescale.dtensor import resolve_mesh_dim
+from vescale.dtensor.collectives import all_gather_uneven, reduce_scatter_uneven
 from vescale.ragged import _compat
-from vescale.ragged._planner import FlatLayout
+from vescale.ragged._planner import FlatLayout, ParamSpec
 
-__all__ = ["FlatBuffer"]
+__all__ = ["FlatBuffer", "FlatWork", "bucket_specs"]
 
-_REDUCE_OPS = {"sum": dist.ReduceOp.SUM, "avg": dist.ReduceOp.AVG}
+_REDUCE_OPS = {
+    "sum": dist.ReduceOp.SUM,
+    "avg": dist.ReduceOp.AVG,
+    "max": dist.ReduceOp.MAX,
+    "min": dist.ReduceOp.MIN,
+}
+
+
+class FlatWork:
+    """A `FlatBuffer` collective in flight (``async_op=True``).
+
+    ``wait()`` blocks until it finished and returns its result (the destination
+    buffer); it is idempotent. A ``FlatWork`` of a collective that needed no
+    communication (one rank) is already complete.
+    """
+
+    def __init__(self, works: Sequence[Any], finish: Callable[[], torch.Tensor]) -> None:
+        self._works = list(works)
+        self._finish = finish
+        self._result: torch.Tensor | None = None
+        self._done = False
+
+    def wait(self) -> torch.Tensor:
+        """Wait for the collective; return the destination buffer."""
+        if not self._done:
+            for w in self._works:
+                w.wait()
+            self._works = []
+            self._result = self._finish()
+            self._done = True
+        return self._result  # type: ignore[return-value]
+
+    def is_completed(self) -> bool:
+        """Whether `wait` has already returned."""
+        return self._done
+
+
+def _finished(value: torch.Tensor, async_op: bool) -> Any:
+    return FlatWork([], lambda: value) if async_op else value
+
+
+def _reduce_op(op: str) -> dist.ReduceOp:
+    if op not in _REDUCE_OPS:
+        raise ValueError(f"op must be one of {sorted(_REDUCE_OPS)}, got {op!r}")
+    return _REDUCE_OPS[op]
+
+
+def bucket_specs(
+    params: Iterable[ParamSpec | tuple], cap_bytes: float | None = None
+) -> list[list[ParamSpec]]:
+    """Group parameters into one-dtype buckets of at most ``cap_bytes`` each.
+
+    Parameters are taken in order; each dtype has one open bucket, which is closed
+    when the next parameter of its dtype would take it over ``cap_bytes`` (a larger
+    parameter gets a bucket of its own). ``None``: one bucket per dtype. Plan each
+    bucket with `plan_flat_buffers` (one `FlatLayout` each).
+
+    Args:
+        params: `ParamSpec` objects or ``(name, shape, dtype[, granularity])`` tuples.
+        cap_bytes: Largest bucket in bytes, or ``None``.
+
+    Returns:
+        The buckets in the order they were opened, each a list of specs in the
+        given order.
+    """
+    buckets: list[list[ParamSpec]] = []
+    open_: dict[torch.dtype, tuple[list[ParamSpec], int]] = {}
+    for item in params:
+        spec = item if isinstance(item, ParamSpec) else ParamSpec(*item)
+        nbytes = spec.dtype.itemsize
+        for s in spec.shape:
+            nbytes *= s
+        cur = open_.get(spec.dtype)
+        if cur is None or (cap_bytes is not None and cur[0] and cur[1] + nbytes > cap_bytes):
+            cur = ([], 0)
+            buckets.append(cur[0])
+        cur[0].append(spec)
+        open_[spec.dtype] = (cur[0], cur[1] + nbytes)
+    return buckets
 
 
 class FlatBuffer:
@@ -43,12 +137,14 @@ class FlatBuffer:
         layout: The plan (from `plan_flat_buffers`).
         mesh: Device mesh; the buffer is sharded over ``mesh_dim`` and replicated
             over the other dims.
-        mesh_dim: Index or name of the sharded mesh dim.
+        mesh_dim: Index or name of the sharded mesh dim (see
+            `vescale.dtensor.resolve_mesh_dim`).
         device: Device of the storage; default: the mesh's device type (current
             device index for CUDA).
         local: Optional existing storage for the slice (1-D, contiguous, the
-            layout's dtype and the rank's slice length); zeros are allocated when
-            ``None``.
+            rank's slice length; any dtype, e.g. fp32 masters of a bf16 layout, or a
+            view of an unsharded buffer); zeros of the layout's dtype are allocated
+            when ``None``.
 
     Attributes:
         layout: The layout.
@@ -71,13 +167,7 @@ class FlatBuffer:
     ) -> None:
         if not isinstance(layout, FlatLayout):
             raise TypeError(f"layout must be a FlatLayout, got {type(layout).__name__}")
-        if isinstance(mesh_dim, str):
-            names = mesh.mesh_dim_names or ()
-            if mesh_dim not in names:
-                raise ValueError(f"mesh has no dim named {mesh_dim!r} (dims: {names})")
-            mesh_dim = names.index(mesh_dim)
-        if not 0 <= mesh_dim < mesh.ndim:
-            raise ValueError(f"mesh_dim {mesh_dim} out of range for a {mesh.ndim}-dim mesh")
+        mesh_dim = resolve_mesh_dim(mesh, mesh_dim, "mesh_dim")
         if mesh.size(mesh_dim) != layout.num_ranks:
             raise ValueError(
                 f"layout planned for {layout.num_ranks} ranks but mesh dim {mesh_dim} has "
@@ -88,7 +178,6 @@ class FlatBuffer:
         self.mesh_dim = mesh_dim
         self.rank = mesh.get_local_rank(mesh_dim)
         self._group = mesh.get_group(mesh_dim)
-        self._group_ranks = dist.get_process_group_ranks(self._group)
         start, stop = layout.rank_ranges[self.rank]
         n = stop - start
         if local is None:
@@ -100,10 +189,11 @@ class FlatBuffer:
                 f"local storage must be 1-D and contiguous with {n} elements, got shape "
                 f"{tuple(local.shape)}"
             )
-        elif local.dtype != layout.dtype:
-            raise ValueError(f"local storage has dtype {local.dtype}, layout {layout.dtype}")
         self.local = local
         self.extra_copy_bytes = 0
+        self._slice_sizes = [b - a for a, b in layout.rank_ranges]
+        # the end of the last parameter: trailing padding is never sent by all_reduce
+        self._data_stop = max((p.stop for p in layout.params), default=0)
         placements = []
         for slot in layout.params:
             p: list[Placement] = [Replicate()] * mesh.ndim
@@ -167,10 +257,46 @@ class FlatBuffer:
             self.local_view(name).copy_(self.layout.shard_of(name, full, self.rank))
 
     # ------------------------------------------------------------------ unsharded
-    def new_full_buffer(self, *, zero: bool = False) -> torch.Tensor:
-        """A new unsharded (global) buffer of `FlatLayout.numel` elements."""
+    def new_full_buffer(
+        self,
+        *,
+        zero: bool = False,
+        dtype: torch.dtype | None = None,
+        device: torch.device | str | None = None,
+    ) -> torch.Tensor:
+        """A new unsharded (global) buffer of `FlatLayout.numel` elements.
+
+        Args:
+            zero: Zero it (padding included).
+            dtype: Element type; default: the layout's.
+            device: Device; default: that of `local`.
+        """
         make = torch.zeros if zero else torch.empty
-        return make(self.layout.numel, dtype=self.layout.dtype, device=self.local.device)
+        return make(
+            self.layout.numel,
+            dtype=self.layout.dtype if dtype is None else dtype,
+            device=self.local.device if device is None else device,
+        )
+
+    def new_slice(self, *, dtype: torch.dtype | None = None, zero: bool = False) -> torch.Tensor:
+        """A new buffer shaped like the rank's slice (`local`), e.g. a gradient shard."""
+        make = torch.zeros if zero else torch.empty
+        return make(
+            self.local.numel(),
+            dtype=self.layout.dtype if dtype is None else dtype,
+            device=self.local.device,
+        )
+
+    def padding_ranges(self) -> list[tuple[int, int]]:
+        """``[start, stop)`` of every run of padding in the unsharded buffer."""
+        out, pos = [], 0
+        for p in sorted(self.layout.params, key=lambda q: q.offset):
+            if p.offset > pos:
+                out.append((pos, p.offset))
+            pos = max(pos, p.stop)
+        if pos < self.layout.numel:
+            out.append((pos, self.layout.numel))
+        return out
 
     def full_views(self, buffer: torch.Tensor) -> dict[str, torch.Tensor]:
         """Every parameter's full tensor as a view of an unsharded ``buffer``."""
@@ -178,48 +304,65 @@ class FlatBuffer:
         return {p.name: buffer[p.offset : p.stop].view(p.shape) for p in self.layout.params}
 
     def _check_full(self, buffer: torch.Tensor, what: str) -> None:
-        if (
-            buffer.dim() != 1
-            or not buffer.is_contiguous()
-            or buffer.numel() != self.layout.numel
-            or buffer.dtype != self.layout.dtype
-        ):
+        if buffer.dim() != 1 or not buffer.is_contiguous() or buffer.numel() != self.layout.numel:
             raise ValueError(
-                f"{what} must be a 1-D contiguous {self.layout.dtype} tensor of "
-                f"{self.layout.numel} elements, got {buffer.dtype} shape {tuple(buffer.shape)}"
+                f"{what} must be a 1-D contiguous tensor of {self.layout.numel} elements (the "
+                f"unsharded buffer), got {buffer.dtype} shape {tuple(buffer.shape)}"
             )
 
+    def _check_slice(self, t: torch.Tensor, what: str, dtype: torch.dtype | None = None) -> None:
+        n = self.local.numel()
+        if t.dim() != 1 or not t.is_contiguous() or t.numel() != n:
+            raise ValueError(
+                f"{what} must be a 1-D contiguous tensor of {n} elements (the rank's slice), "
+                f"got {t.dtype} shape {tuple(t.shape)}"
+            )
+        if dtype is not None and t.dtype != dtype:
+            raise ValueError(f"{what} has dtype {t.dtype}, expected {dtype}")
+
     # ------------------------------------------------------------------ collectives
-    def all_gather(self, out: torch.Tensor | None = None) -> torch.Tensor:
+    def all_gather(
+        self,
+        out: torch.Tensor | None = None,
+        *,
+        src: torch.Tensor | None = None,
+        async_op: bool = False,
+    ) -> torch.Tensor | FlatWork:
         """Gather every rank's slice into an unsharded buffer (no copy-in/copy-out).
 
         Args:
-            out: Destination unsharded buffer (see `new_full_buffer`); a new
-                one when ``None`` (on one rank: `local` itself).
+            out: Destination unsharded buffer (see `new_full_buffer`), of ``src``'s
+                dtype; a new one when ``None`` (on one rank: ``src`` itself).
+            src: What this rank sends: `local` (default) or another slice-shaped
+                buffer, e.g. a compute-dtype cast of it or a copy on the compute
+                device.
+            async_op: Return a `FlatWork` at once.
 
         Returns:
-            The unsharded buffer; `full_views` gives the full parameters.
+            The unsharded buffer (or a `FlatWork` whose ``wait()`` returns it);
+            `full_views` gives the full parameters.
         """
+        src = self.local if src is None else src
+        self._check_slice(src, "src")
         if self.layout.num_ranks == 1 and out is None:
-            return self.local  # one rank: the shard is the whole buffer
-        out = self.new_full_buffer() if out is None else out
+            return _finished(src, async_op)  # one rank: the shard is the whole buffer
+        if out is None:
+            out = self.new_full_buffer(dtype=src.dtype, device=src.device)
         self._check_full(out, "out")
+        if out.dtype != src.dtype:
+            raise ValueError(f"out has dtype {out.dtype} but src has {src.dtype}")
         if self.layout.num_ranks == 1:
-            if out.data_ptr() != self.local.data_ptr():
-                out.copy_(self.local)
-                self.extra_copy_bytes += self.local.numel() * self.local.element_size()
-            return out
+            if out.data_ptr() != src.data_ptr():
+                out.copy_(src)
+                self.extra_copy_bytes += src.numel() * src.element_size()
+            return _finished(out, async_op)
         if self.layout.even:
-            _compat.all_gather_single(out, self.local, group=self._group)
-            return out
-        for q, (a, b) in enumerate(self.layout.rank_ranges):
-            if a == b:
-                continue
-            if q == self.rank:
-                out[a:b].copy_(self.local)
-                self.extra_copy_bytes += (b - a) * self.local.element_size()
-            dist.broadcast(out[a:b], src=self._group_ranks[q], group=self._group)
-        return out
+            work = _compat.all_gather_single(out, src, group=self._group, async_op=async_op)
+            return FlatWork([work], lambda: out) if async_op else out
+        handle = all_gather_uneven(
+            src, (self.mesh, self.mesh_dim), 0, True, sizes=self._slice_sizes, method="pad"
+        )
+        return self._copy_when_done(handle, out, async_op)
 
     def reduce_scatter(
         self,
@@ -227,48 +370,96 @@ class FlatBuffer:
         out: torch.Tensor | None = None,
         *,
         op: str = "sum",
-    ) -> torch.Tensor:
-        """Reduce a flat gradient buffer over the mesh dim into the rank's slice.
+        async_op: bool = False,
+    ) -> torch.Tensor | FlatWork:
+        """Reduce an unsharded buffer over the mesh dim into the rank's slice.
 
         Args:
-            grad_flat: Unsharded gradient buffer with this layout (e.g. a buffer from
+            grad_flat: Unsharded buffer with this layout (e.g. a buffer from
                 `new_full_buffer` whose `full_views` were the ``.grad`` of
-                the full parameters).
-            out: Destination slice (1-D, the rank's slice length); new when ``None``
-                (on one rank: ``grad_flat`` itself).
-            op: ``"sum"`` or ``"avg"``.
+                the full parameters), any dtype.
+            out: Destination slice (1-D, the rank's slice length, ``grad_flat``'s
+                dtype); new when ``None`` (on one rank: ``grad_flat`` itself).
+            op: ``"sum"``, ``"avg"``, ``"max"`` or ``"min"``.
+            async_op: Return a `FlatWork` at once.
 
         Returns:
-            The reduced slice; `local_views` with it as ``storage`` gives the
-            per-parameter gradient shards.
+            The reduced slice (or a `FlatWork` whose ``wait()`` returns it);
+            `local_views` with it as ``storage`` gives the per-parameter shards.
         """
         self._check_full(grad_flat, "grad_flat")
-        if op not in _REDUCE_OPS:
-            raise ValueError(f"op must be one of {sorted(_REDUCE_OPS)}, got {op!r}")
+        rop = _reduce_op(op)
         if self.layout.num_ranks == 1 and out is None:
-            return grad_flat  # one rank: nothing to reduce
+            return _finished(grad_flat, async_op)  # one rank: nothing to reduce
         if out is None:
-            out = torch.empty_like(self.local)
-        elif (
-            out.shape != self.local.shape
-            or not out.is_contiguous()
-            or out.dtype != self.local.dtype
-        ):
-            raise ValueError(
-                f"out must be a contiguous {self.local.dtype} tensor of shape "
-                f"{tuple(self.local.shape)}, got {out.dtype} {tuple(out.shape)}"
-            )
+            out = torch.empty(self.local.numel(), dtype=grad_flat.dtype, device=grad_flat.device)
+        else:
+            self._check_slice(out, "out", grad_flat.dtype)
         if self.layout.num_ranks == 1:
             a, b = self.layout.rank_ranges[0]
             out.copy_(grad_flat[a:b])
             self.extra_copy_bytes += (b - a) * out.element_size()
-            return out
+            return _finished(out, async_op)
         if self.layout.even:
-            _compat.reduce_scatter_single(out, grad_flat, op=_REDUCE_OPS[op], group=self._group)
+            work = _compat.reduce_scatter_single(
+                out, grad_flat, op=rop, group=self._group, async_op=async_op
+            )
+            return FlatWork([work], lambda: out) if async_op else out
+        handle = reduce_scatter_uneven(
+            grad_flat, self._slice_sizes, (self.mesh, self.mesh_dim), 0, op, True
+        )
+        return self._copy_when_done(handle, out, async_op)
+
+    def _copy_when_done(self, handle: Any, out: torch.Tensor, async_op: bool) -> Any:
+        """Uneven path: the collective's result (a new tensor) copied into ``out``."""
+
+        def finish() -> torch.Tensor:
+            out.copy_(handle.wait())
+            self.extra_copy_bytes += out.numel() * out.element_size()
             return out
-        pieces = [grad_flat[a:b] for a, b in self.layout.rank_ranges]
-        dist.reduce_scatter(out, pieces, op=_REDUCE_OPS[op], group=self._group)
-        return out
+
+        work = FlatWork([], finish)
+        return work if async_op else work.wait()
+
+    def all_reduce(
+        self,
+        buffer: torch.Tensor,
+        *,
+        op: str = "sum",
+        mesh_dim: int | str | None = None,
+        async_op: bool = False,
+    ) -> torch.Tensor | FlatWork:
+        """Reduce a whole buffer in place over a mesh dim (every rank gets the result).
+
+        Args:
+            buffer: An unsharded buffer of this layout (trailing padding is not
+                sent) or a slice-shaped one (e.g. a gradient shard), any dtype.
+            op: ``"sum"``, ``"avg"``, ``"max"`` or ``"min"``.
+            mesh_dim: The mesh dim to reduce over: the buffer's own (default) or
+                another one, e.g. HSDP's replicate dim.
+            async_op: Return a `FlatWork` at once.
+
+        Returns:
+            ``buffer`` (or a `FlatWork` whose ``wait()`` returns it).
+        """
+        rop = _reduce_op(op)
+        if buffer.dim() != 1 or not buffer.is_contiguous():
+            raise ValueError(f"buffer must be 1-D and contiguous, got shape {tuple(buffer.shape)}")
+        if buffer.numel() == self.layout.numel:
+            sent = buffer[: self._data_stop]
+        elif buffer.numel() == self.local.numel():
+            sent = buffer
+        else:
+            raise ValueError(
+                f"buffer has {buffer.numel()} elements; expected the unsharded buffer "
+                f"({self.layout.numel}) or the rank's slice ({self.local.numel()})"
+            )
+        dim = self.mesh_dim if mesh_dim is None else resolve_mesh_dim(self.mesh, mesh_dim)
+        if self.mesh.size(dim) == 1 or sent.numel() == 0:
+            return _finished(buffer, async_op)
+        group = self._group if dim == self.mesh_dim else self.mesh.get_group(dim)
+        work = dist.all_reduce(sent, op=rop, group=group, async_op=async_op)
+        return FlatWork([work], lambda: buffer) if async_op else buffer
 
     def __repr__(self) -> str:
         return (
