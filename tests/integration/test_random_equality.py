@@ -93,11 +93,11 @@ def _layouts() -> dict:
     world = dist.get_world_size()
     _check_plugin_placements(world)
     out = {}
-    for name in ("tp4", "tp4+sp", "fsdp4", "fsdp2xtp2+sp", "tp4 (rng off)"):
+    for name in ("tp4", "tp4+sp", "fsdp4", "fsdp2xtp2+sp", "fsdp4 (rng off)"):
         if name.startswith("tp4"):
             mesh = init_device_mesh("cpu", (world,), mesh_dim_names=("tp",))
             model, dp = DModule(_model(), mesh, sequence_parallel=name.endswith("sp")), None
-        elif name == "fsdp4":
+        elif name.startswith("fsdp4"):
             mesh = init_device_mesh("cpu", (world,), mesh_dim_names=("dp",))
             model, dp = DModule(_model(), mesh, data_parallel={"dp": "fsdp"}), "dp"
         else:
@@ -116,10 +116,13 @@ def _layouts() -> dict:
             dist.all_gather(parts, t.contiguous(), group=group)
             return torch.cat(parts)
 
-        def ctx(mesh=mesh, dp=dp):
-            return vrandom.data_parallel_rng(mesh, dp) if dp else contextlib.nullcontext()
-
         off = name.endswith("(rng off)")
+
+        def ctx(mesh=mesh, dp=dp, off=off):
+            if dp and not off:
+                return vrandom.data_parallel_rng(mesh, dp)
+            return contextlib.nullcontext()
+
         before = vrandom.set_single_device_rng(not off)
         try:
             out[name] = _train(model, ctx, lambda b, n=n, r=r: b.chunk(n)[r], gather)
