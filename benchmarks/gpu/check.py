@@ -530,7 +530,7 @@ def section_checkpoint(dry: bool) -> dict:
 
     device = _device(dry)
     backend = _init_single(device)
-    mb = 4 if dry else 1024
+    mb = 4 if dry else 512
     rows = max(1, mb * 2**20 // 4 // 4096 // 8)
     model = nn.ParameterDict(
         {f"w{i}": nn.Parameter(torch.randn(rows, 4096, device=device)) for i in range(8)}
