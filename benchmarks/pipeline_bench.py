@@ -16,8 +16,8 @@ interleaved 1F1B) on stages split from an unmodified GPT. Per schedule, pipeline
   (``saved_tensors_hooks``, each storage counted once), the largest number of
   micro-batches in flight (forwarded, not yet backwarded) on the busiest stage, and
   their product, the peak activation memory (GPipe holds ``m``; 1F1B at most ``p``).
-* **bytes between stages**: bytes each rank sends per step through ``isend`` /
-  ``batch_isend_irecv`` (activations forward, their gradients backward), against the
+* **bytes between stages**: bytes each rank sends per step (the send ops torch's
+  ``PipelineStage`` builds: activations forward, their gradients backward), against the
   activation size at the stage boundaries (``2 x boundaries x batch x seq x hidden x 4``
   bytes per pipeline, both directions).
 * the step time of vescale's split against a hand-written split of the same model
@@ -66,19 +66,6 @@ def bench_worker(steps: int, cfg_kwargs: dict, batch: int, seq: int, micro: list
     tgt = torch.randint(0, cfg.vocab_size, (batch, seq), generator=g)
 
     sent = [0]
-    real_batch, real_isend = dist.batch_isend_irecv, dist.isend
-
-    def counting_batch(ops):
-        sent[0] += sum(
-            op.tensor.numel() * op.tensor.element_size() for op in ops if op.op in (dist.isend,)
-        )
-        return real_batch(ops)
-
-    def counting_isend(tensor, *a, **k):
-        sent[0] += tensor.numel() * tensor.element_size()
-        return real_isend(tensor, *a, **k)
-
-    dist.batch_isend_irecv, dist.isend = counting_batch, counting_isend
 
     def instrument(stages):
         busy = [0.0]
@@ -86,6 +73,14 @@ def bench_worker(steps: int, cfg_kwargs: dict, batch: int, seq: int, micro: list
         saved = {"bytes": 0}
         for st in stages:
             fwd, bwd = st.forward_one_chunk, st.backward_one_chunk
+            for attr in ("get_fwd_send_ops", "get_bwd_send_ops"):
+
+                def sends(*a, _get=getattr(st, attr), **k):
+                    ops = _get(*a, **k)  # P2POps of torch's schedule, all sends
+                    sent[0] += sum(op.tensor.numel() * op.tensor.element_size() for op in ops)
+                    return ops
+
+                setattr(st, attr, sends)
 
             def f(*a, _fwd=fwd, **k):
                 seen = set()
@@ -176,9 +171,10 @@ def bench_worker(steps: int, cfg_kwargs: dict, batch: int, seq: int, micro: list
 
     for m in micro:
         mb = batch // m
-        h = torch.empty(mb, seq, cfg.n_embd)
+        h = torch.empty(mb, seq, cfg.n_embd, requires_grad=True)
         ins = (idx[:mb],) if rank == 0 else (h,)
-        outs = (torch.empty(mb, seq, cfg.vocab_size),) if rank == p - 1 else (h,)
+        logits = torch.empty(mb, seq, cfg.vocab_size, requires_grad=True)
+        outs = (logits,) if rank == p - 1 else (h,)
         stage = PipelineStage(
             Stage(), rank, p, torch.device("cpu"), input_args=ins, output_args=outs
         )
@@ -196,8 +192,42 @@ def bench_worker(steps: int, cfg_kwargs: dict, batch: int, seq: int, micro: list
             if step:
                 times.append(dt)
         results[("torch manual gpipe", m)] = {"ms": 1e3 * statistics.median(times)}
-    dist.batch_isend_irecv, dist.isend = real_batch, real_isend
     return results
+
+
+def _rank_main(rank: int, world: int, port: int, args: tuple, queue) -> None:
+    import os
+
+    import torch.distributed as dist
+
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+    dist.init_process_group("gloo", rank=rank, world_size=world)
+    try:
+        queue.put((rank, bench_worker(*args)))
+    finally:
+        dist.destroy_process_group()
+
+
+def run_ranks(world: int, *args) -> list:
+    """``bench_worker(*args)`` on ``world`` spawned gloo ranks; results by rank.
+
+    Spawned per pipeline size rather than through the test pool: on a loaded machine
+    the pool's start-up deadline is too short, and nothing here is reused.
+    """
+    import socket
+
+    import torch.multiprocessing as mp
+
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        port = sock.getsockname()[1]
+    ctx = mp.get_context("spawn")
+    queue = ctx.SimpleQueue()
+    mp.start_processes(
+        _rank_main, args=(world, port, args, queue), nprocs=world, start_method="spawn"
+    )
+    out = dict(queue.get() for _ in range(world))
+    return [out[r] for r in range(world)]
 
 
 def main() -> None:
@@ -211,8 +241,6 @@ def main() -> None:
     parser.add_argument("--batch", type=int, default=16)
     parser.add_argument("--seq", type=int, default=64)
     args = parser.parse_args()
-
-    from vescale.dtensor.testing import run_on_ranks, shutdown_pools
 
     cfg = dict(
         vocab_size=args.vocab,
@@ -233,61 +261,49 @@ def main() -> None:
         f"{'saved B/mb/stage':>16} | {'in flight':>9} | {'peak act B':>11} | {'B sent/step':>12} | "
         f"{'/act':>5}"
     )
-    try:
-        for p in args.pp:
-            res = run_on_ranks(
-                bench_worker,
-                p,
-                args.steps,
-                cfg,
-                args.batch,
-                args.seq,
-                args.microbatches,
-                timeout=3600,
-            )
-            print(head)
-            print("-" * len(head))
-            for m in args.microbatches:
-                base = res[0][("torch manual gpipe", m)]["ms"]
-                for name in SCHEDULES:
-                    if (name, m) not in res[0]:
-                        continue
-                    rows = [r[(name, m)] for r in res]
-                    v = rows[0]["stages"]
-                    theory = (p - 1) / (v * m + p - 1)
-                    idle = statistics.mean(r["idle"] for r in rows)
-                    ms = max(r["ms"] for r in rows)
-                    worst = max(rows, key=lambda r: r["saved_per_mb"] * r["peak_in_flight"])
-                    peak = worst["saved_per_mb"] * worst["peak_in_flight"]
-                    # both directions over p-1 boundaries, counted at the sender
-                    sent = sum(r["sent"] for r in rows)
-                    expect = 2 * (p - 1) * act if v == 1 else 2 * (v * p - 1) * act
-                    print(
-                        f"{p:>2} | {m:>2} | {name:<16} | {ms:>8.1f} | {idle:>5.2f} | {theory:>6.2f} | "
-                        f"{worst['saved_per_mb']:>16,.0f} | {worst['peak_in_flight']:>9} | "
-                        f"{peak:>11,.0f} | {sent:>12,} | {sent / expect:>5.2f}"
-                    )
+    for p in args.pp:
+        res = run_ranks(p, args.steps, cfg, args.batch, args.seq, args.microbatches)
+        print(head)
+        print("-" * len(head))
+        for m in args.microbatches:
+            base = res[0][("torch manual gpipe", m)]["ms"]
+            for name in SCHEDULES:
+                if (name, m) not in res[0]:
+                    continue
+                rows = [r[(name, m)] for r in res]
+                v = rows[0]["stages"]
+                theory = (p - 1) / (v * m + p - 1)
+                idle = statistics.mean(r["idle"] for r in rows)
+                ms = max(r["ms"] for r in rows)
+                worst = max(rows, key=lambda r: r["saved_per_mb"] * r["peak_in_flight"])
+                peak = worst["saved_per_mb"] * worst["peak_in_flight"]
+                # both directions over p-1 boundaries, counted at the sender
+                sent = sum(r["sent"] for r in rows)
+                expect = 2 * (p - 1) * act if v == 1 else 2 * (v * p - 1) * act
+                print(
+                    f"{p:>2} | {m:>2} | {name:<16} | {ms:>8.1f} | {idle:>5.2f} | {theory:>6.2f} | "
+                    f"{worst['saved_per_mb']:>16,.0f} | {worst['peak_in_flight']:>9} | "
+                    f"{peak:>11,.0f} | {sent:>12,} | {sent / expect:>5.2f}"
+                )
+                emit(
+                    "pipeline",
+                    f"{name}, p={p}, m={m}",
+                    "idle fraction (theory in target)",
+                    round(idle, 3),
+                    None,
+                    target=f"{theory:.3f}",
+                    comm=f"{sent / expect:.2f} of activations",
+                    memory=f"{human_bytes(peak)} peak activations ({worst['peak_in_flight']} mb in flight)",
+                )
+                if name == "gpipe":
                     emit(
                         "pipeline",
-                        f"{name}, p={p}, m={m}",
-                        "idle fraction (theory in target)",
-                        round(idle, 3),
-                        None,
-                        target=f"{theory:.3f}",
-                        comm=f"{sent / expect:.2f} of activations",
-                        memory=f"{human_bytes(peak)} peak activations ({worst['peak_in_flight']} mb in flight)",
+                        f"vescale split vs hand split (torch GPipe), p={p}, m={m}",
+                        "ms/step",
+                        round(ms, 1),
+                        round(max(r[("torch manual gpipe", m)]["ms"] for r in res), 1),
                     )
-                    if name == "gpipe":
-                        emit(
-                            "pipeline",
-                            f"vescale split vs hand split (torch GPipe), p={p}, m={m}",
-                            "ms/step",
-                            round(ms, 1),
-                            round(max(r[("torch manual gpipe", m)]["ms"] for r in res), 1),
-                        )
-                print(f"{p:>2} | {m:>2} | {'torch hand split':<16} | {base:>8.1f} |")
-    finally:
-        shutdown_pools()
+            print(f"{p:>2} | {m:>2} | {'torch hand split':<16} | {base:>8.1f} |")
 
 
 if __name__ == "__main__":

@@ -35,6 +35,7 @@ from vescale.dmodule._pipeline_split import (
     merge_stage_modules,
     meta_like,
     stage_of_modules,
+    stub_ghosts,
     trace_model,
 )
 
@@ -479,6 +480,7 @@ def pipeline_parallelize(
             meta_args=mb_args,
         )
         _install_forward(part, rt, orig_forward)
+        stub_ghosts(built.ghosts, trace, rt.exit_name)
         if parallelize_fn is not None:
             res = parallelize_fn(part, submesh)
             if res is not None and res is not part:

@@ -40,6 +40,8 @@ __all__ = [
     "check_split_points",
     "stage_of_modules",
     "build_stage_module",
+    "merge_stage_modules",
+    "stub_ghosts",
     "meta_like",
 ]
 
@@ -89,12 +91,14 @@ class TraceResult:
         arg_leaves: Module name -> the tensor leaves (meta) of its first call's
             positional and keyword arguments, in ``tree_flatten`` order.
         output: The model's output (meta tensors).
+        outputs: Module name -> its first call's output (meta tensors).
     """
 
     order: dict[str, int]
     calls: dict[str, int]
     arg_leaves: dict[str, list[torch.Tensor]]
     output: Any
+    outputs: dict[str, Any] = dataclasses.field(default_factory=dict)
 
 
 def trace_model(model: nn.Module, args: tuple, kwargs: dict) -> TraceResult:
@@ -103,6 +107,7 @@ def trace_model(model: nn.Module, args: tuple, kwargs: dict) -> TraceResult:
     order: dict[str, int] = {}
     calls: dict[str, int] = {}
     arg_leaves: dict[str, list[torch.Tensor]] = {}
+    outputs: dict[str, Any] = {}
     handles = []
 
     def make(name: str):
@@ -113,11 +118,16 @@ def trace_model(model: nn.Module, args: tuple, kwargs: dict) -> TraceResult:
                 leaves, _ = tree_flatten((a, kw))
                 arg_leaves[name] = [x for x in leaves if isinstance(x, torch.Tensor)]
 
-        return pre
+        def post(_mod, _a, out):
+            outputs.setdefault(name, out)
+
+        return pre, post
 
     for name, mod in ghost.named_modules():
         if name:
-            handles.append(mod.register_forward_pre_hook(make(name), with_kwargs=True))
+            pre, post = make(name)
+            handles.append(mod.register_forward_pre_hook(pre, with_kwargs=True))
+            handles.append(mod.register_forward_hook(post))
     try:
         out = ghost(*meta_like(tuple(args)), **meta_like(dict(kwargs)))
     except Exception as exc:  # noqa: BLE001
@@ -128,7 +138,25 @@ def trace_model(model: nn.Module, args: tuple, kwargs: dict) -> TraceResult:
     finally:
         for h in handles:
             h.remove()
-    return TraceResult(order, calls, arg_leaves, out)
+    return TraceResult(order, calls, arg_leaves, out, outputs)
+
+
+def stub_ghosts(ghosts: dict[str, nn.Module], trace: TraceResult, keep: str | None) -> None:
+    """Let ghosts return their traced (meta) output instead of running on meta.
+
+    A stage runs the modules of earlier stages only for the shapes they produce, and
+    torch's meta kernels cost about as much Python time as the real CPU kernels of a
+    small model: a ghost called once per forward returns a fresh meta copy of the
+    output it had in the trace instead. The ghost that holds ``keep`` (the next stage's
+    first module, whose hook ends the stage) below its top runs as it is.
+    """
+    for name, g in ghosts.items():
+        if trace.calls.get(name) != 1 or name not in trace.outputs:
+            continue
+        if keep is not None and keep.startswith(name + "."):
+            continue
+        out = trace.outputs[name]
+        g.__dict__["forward"] = lambda *_a, _out=out, **_k: meta_like(_out)
 
 
 def _blocks_list(model: nn.Module) -> tuple[str, nn.ModuleList]:
