@@ -516,7 +516,7 @@ def test_bridged_order_puts_a_fine_parameter_across_each_cut():
     _check_layout(auto, [by_name[name] for name in auto.names], 2, weighted=False)
 
 
-@settings(max_examples=60, deadline=None, database=None)
+@settings(max_examples=40, deadline=None, database=None)
 @given(
     params=st.lists(st.tuples(st.integers(1, 8), st.integers(1, 4)), min_size=1, max_size=4),
     n=st.integers(2, 4),
