@@ -28,6 +28,7 @@ Usage::
 from __future__ import annotations
 
 import argparse
+import json
 import statistics
 import time
 
@@ -40,7 +41,9 @@ SIZES = {
 }
 
 
-def worker(sizes: dict, seq: int, global_batch: int, steps: int, quick: bool) -> list[dict]:
+def worker(
+    sizes: dict, seq: int, global_batch: int, steps: int, quick: bool, log: str | None = None
+) -> list[dict]:
     import copy
     import gc
 
@@ -64,6 +67,9 @@ def worker(sizes: dict, seq: int, global_batch: int, steps: int, quick: bool) ->
     rank = dist.get_rank()
     device = probe_device()
     rows = []
+    if log and rank == 0:
+        with open(log, "a") as f:
+            f.write(json.dumps({"world": world, "device": repr(device)}) + "\n")
     for size, kw in sizes.items():
         torch.manual_seed(0)
         base = GPT(GPTConfig(block_size=seq, n_head=4, **kw))
@@ -102,7 +108,7 @@ def worker(sizes: dict, seq: int, global_batch: int, steps: int, quick: bool) ->
                     hooks = []
                     if meter is not None:
                         hooks = [
-                            b.register_forward_pre_hook(lambda mod, args: meter.count(args[0]))
+                            b.register_forward_pre_hook(lambda mod, args, m=meter: m.count(args[0]))
                             for b in blocks
                         ]
                         meter.__enter__()
@@ -134,6 +140,7 @@ def worker(sizes: dict, seq: int, global_batch: int, steps: int, quick: bool) ->
             dist.all_reduce(peak, op=dist.ReduceOp.MAX)
             rows.append(
                 {
+                    "world": world,
                     "size": size,
                     "params": prof.num_params,
                     "layout": lay.describe(),
@@ -143,10 +150,13 @@ def worker(sizes: dict, seq: int, global_batch: int, steps: int, quick: bool) ->
                     "meas_mib": float(peak) / 2**20,
                 }
             )
+            if log and rank == 0:  # kept even if a later layout hangs or the run is cut
+                with open(log, "a") as f:
+                    f.write(json.dumps(rows[-1]) + "\n")
             del model, opt, blocks
             gc.collect()
     if rank == 0:
-        rows.append({"device": repr(device)})
+        rows.append({"world": world, "device": repr(device)})
     return rows
 
 
@@ -162,24 +172,40 @@ def main() -> None:
     ap.add_argument("--batch", type=int, default=8, help="global batch")
     ap.add_argument("--sizes", nargs="+", default=list(SIZES))
     ap.add_argument("--quick", action="store_true", help="a few layouts per world")
+    ap.add_argument("--log", help="append each measured row (JSON lines) to this file")
+    ap.add_argument("--from-log", help="only print the tables of a --log file")
     args = ap.parse_args()
 
     from vescale.dtensor.testing import run_on_ranks, shutdown_pools
 
     sizes = {k: SIZES[k] for k in args.sizes}
-    results = {}
-    try:
-        for n in args.world:
-            res = run_on_ranks(
-                worker, n, sizes, args.seq, args.batch, args.steps, args.quick, timeout=3600
-            )
-            results[n] = res[0]
-    finally:
-        shutdown_pools()
+    results: dict[int, list[dict]] = {}
+    if args.from_log:
+        with open(args.from_log) as f:
+            for line in f:
+                row = json.loads(line)
+                results.setdefault(row["world"], []).append(row)
+    else:
+        try:
+            for n in args.world:
+                res = run_on_ranks(
+                    worker,
+                    n,
+                    sizes,
+                    args.seq,
+                    args.batch,
+                    args.steps,
+                    args.quick,
+                    args.log,
+                    timeout=3600,
+                )
+                results[n] = res[0]
+        finally:
+            shutdown_pools()
     t_errs, m_errs, checks = [], [], []
     for n, rows in results.items():
         dev = [r for r in rows if "device" in r]
-        print(f"\n## {n} rank(s); probe: {dev[0]['device'] if dev else '?'}")
+        print(f"\n## {n} rank(s)" + (f"; probe: {dev[0]['device']}" if dev else ""))
         for size in sizes:
             sel = [r for r in rows if r.get("size") == size]
             if not sel:

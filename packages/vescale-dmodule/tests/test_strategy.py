@@ -168,9 +168,9 @@ def test_search_ranks_every_candidate_and_is_fast_at_1024_ranks():
     assert rej > 0 and all(e.memory["total"] <= tight for e in small)
     with pytest.raises(NoLayoutFitsError, match="smallest is"):
         search(prof, 4, DeviceSpec(1e3, 1e9, 1e10, DEV.links), BATCH)
-    # 1,024 ranks, a 24-layer model: every factorization x sp x ac x micro-batch
+    # 1,024 ranks, an 8-layer model: every factorization x sp x ac x micro-batch
     with torch.device("meta"):
-        big = GPT(GPTConfig(vocab_size=32000, block_size=1024, n_layer=24, n_head=32, n_embd=2048))
+        big = GPT(GPTConfig(vocab_size=32000, block_size=1024, n_layer=8, n_head=32, n_embd=2048))
     prof = profile_model(big, 1024)
     gpu = DeviceSpec(
         80e9, 4e14, 2e12, (Link(8, 2e11, 5e-6), Link(0, 2.5e10, 2e-5)), 5e-6, 5e-5, 0.8, "cuda"

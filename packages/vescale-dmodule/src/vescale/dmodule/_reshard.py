@@ -14,6 +14,7 @@ saved under the old layout and loaded under the new one. No files are written.
 from __future__ import annotations
 
 import copy
+import inspect
 from collections.abc import Callable
 from typing import Any
 
@@ -26,10 +27,11 @@ from torch.distributed.checkpoint.state_dict import (
     set_model_state_dict,
     set_optimizer_state_dict,
 )
-from torch.distributed.tensor import DTensor, distribute_tensor
+from torch.distributed.tensor import DTensor
 
 from vescale.dmodule._cost_model import Layout
 from vescale.dmodule._strategy import _skeleton, apply_layout, choose
+from vescale.dtensor import distribute_tensor  # plugin placements (RaggedShard) too
 
 __all__ = ["reshard", "ReshardError"]
 
@@ -174,7 +176,10 @@ def reshard(
             for g in old_osd["param_groups"]:
                 hyper = {k: v for k, v in g.items() if k != "params"}
                 groups.append({**hyper, "params": [named[n] for n in g["params"]]})
-            new_opt = type(optimizer)(groups, **optimizer.defaults)
+            # the groups carry every hyperparameter; the constructor gets the defaults it takes
+            accepted = inspect.signature(type(optimizer)).parameters
+            kwargs = {k: v for k, v in optimizer.defaults.items() if k in accepted}
+            new_opt = type(optimizer)(groups, **kwargs)
         params = dict(new.named_parameters())
         state = {}
         for name, st in old_osd["state"].items():
