@@ -130,13 +130,7 @@ class RaggedShard(PluginPlacement):
         return self._flat(tensor)[start:stop].clone()
 
     def unshard(self, local, mesh, mesh_dim, logical_shape):
-        flat = _all_gather_ranges(local, self.ranges(tuple(logical_shape)), mesh, mesh_dim)
+        # the one uneven all-gather (gloo has none: padded, one even gather)
+        sizes = [b - a for a, b in self.ranges(tuple(logical_shape))]
+        flat = all_gather_uneven(local, (mesh, mesh_dim), 0, sizes=sizes, method="pad")
         return flat.reshape(logical_shape)
-
-
-def _all_gather_ranges(
-    local: torch.Tensor, ranges: list[tuple[int, int]], mesh, mesh_dim: int
-) -> torch.Tensor:
-    """Uneven all-gather along dim 0 (gloo has no uneven gather: padded, one even gather)."""
-    counts = [b - a for a, b in ranges]
-    return all_gather_uneven(local, (mesh, mesh_dim), 0, sizes=counts, method="pad")
