@@ -145,7 +145,8 @@ def section_pytest(dry: bool) -> dict:
             "--ignore",
             str(REPO / "tests" / "gpu"),
         ]
-    cmd = [sys.executable, "-m", "pytest", "-m", "gpu", "-q", "-p", "no:randomly", *paths]
+    cmd = [sys.executable, "-m", "pytest", "-m", "gpu", "-q", "-p", "no:randomly"]
+    cmd += ["--continue-on-collection-errors", *paths]
     limit = SECTIONS["pytest"][1 if dry else 0] - 10
     t0 = time.perf_counter()
     res = subprocess.run(
