@@ -18,7 +18,7 @@ import torch
 
 import vescale.checkpoint as vckpt
 
-# (function patched in vescale.checkpoint._storage's namespace, call number, before/after)
+# (function patched in vescale.checkpoint._commit's namespace, call number, before/after)
 STEPS = {
     "before_manifest": ("write", 1, "before"),
     "after_manifest": ("write", 1, "after"),
@@ -32,12 +32,12 @@ _CHILD = textwrap.dedent(
     """
     import os, signal, sys, torch
     import vescale.checkpoint as vckpt
-    from vescale.checkpoint import _storage
+    from vescale.checkpoint import _commit
 
     path, fn_name, nth, when = sys.argv[1], sys.argv[2], int(sys.argv[3]), sys.argv[4]
     vckpt.save(path, {"t": torch.ones(32, 32), "step": 1})
-    targets = {"write": (_storage, "_write_synced"), "rename": (_storage.os, "rename"),
-               "rmtree": (_storage.shutil, "rmtree")}
+    targets = {"write": (_commit, "_write_synced"), "rename": (_commit.os, "rename"),
+               "rmtree": (_commit.shutil, "rmtree")}
     owner, attr = targets[fn_name]
     original = getattr(owner, attr)
     calls = [0]

@@ -85,7 +85,7 @@ def test_tampered_metadata_and_manifest_are_rejected(tmp_path):
 def test_metadata_unpickler_refuses_arbitrary_objects():
     import pickle
 
-    from vescale.checkpoint._storage import safe_load_metadata
+    from vescale.checkpoint._safe_io import safe_load_metadata
 
     class Evil:
         def __reduce__(self):
@@ -96,7 +96,7 @@ def test_metadata_unpickler_refuses_arbitrary_objects():
 
 
 def test_paths_cannot_escape_checkpoint_dir(tmp_path):
-    from vescale.checkpoint._storage import _safe_name
+    from vescale.checkpoint._safe_io import _safe_name
 
     assert _safe_name("__0_0.distcp", tmp_path) == "__0_0.distcp"
     for bad in ["../x", "/etc/passwd", "..", "a/b", ""]:

@@ -11,7 +11,8 @@ from torch.distributed.checkpoint.api import CheckpointException
 
 import vescale.checkpoint as vckpt
 from vescale.checkpoint import VescaleFileSystemReader, VescaleFileSystemWriter
-from vescale.checkpoint._storage import RAW_DESCRIPTOR, SaveLock
+from vescale.checkpoint._commit import SaveLock
+from vescale.checkpoint._format import RAW_DESCRIPTOR
 
 pytestmark = pytest.mark.filterwarnings("ignore:torch.distributed is disabled")
 
@@ -36,14 +37,14 @@ def _zeros_like(state):
 
 
 def test_checksums_are_computed_over_the_written_bytes(tmp_path, monkeypatch):
-    from vescale.checkpoint import _storage
+    from vescale.checkpoint import _format
 
     def no_reread(*a, **k):  # the metadata file is the only one re-read at commit
         assert str(a[0]).endswith(".metadata"), f"data file re-read for a checksum: {a[0]}"
         return orig(*a, **k)
 
-    orig = _storage._crc_range
-    monkeypatch.setattr(_storage, "_crc_range", no_reread)
+    orig = _format._crc_range
+    monkeypatch.setattr(_format, "_crc_range", no_reread)
     path = tmp_path / "c"
     h = vckpt.save(path, _state())
     manifest = vckpt.read_manifest(path)
@@ -172,7 +173,7 @@ def test_keep_last_rotates_only_the_same_series(tmp_path):
 
 
 def test_stager_copies_big_tensors_in_parallel_slices():
-    from vescale.checkpoint._state import Stager
+    from vescale.checkpoint._staging import Stager
 
     g = torch.Generator().manual_seed(0)
     big = torch.randn(5 << 20, generator=g)  # 20 MiB: sliced over the threads
@@ -195,16 +196,16 @@ def test_stager_copies_big_tensors_in_parallel_slices():
 
 
 def test_crc32_implementations_agree(tmp_path, monkeypatch):
-    from vescale.checkpoint import _storage
+    from vescale.checkpoint import _format, _storage
 
     data = torch.randn(1000).numpy().tobytes()
     assert _storage.crc32(data) == zlib.crc32(data)
     assert _storage.crc32(data[500:], _storage.crc32(data[:500])) == zlib.crc32(data)
     monkeypatch.setenv("VESCALE_CHECKPOINT_CRC32", "zlib")
-    assert _storage._select_crc32() == (zlib.crc32, "zlib")
+    assert _format._select_crc32() == (zlib.crc32, "zlib")
     monkeypatch.setenv("VESCALE_CHECKPOINT_CRC32", "bogus")
     with pytest.raises(ValueError, match="auto, isal or zlib"):
-        _storage._select_crc32()
+        _format._select_crc32()
     # a checkpoint written with one implementation verifies with the other
     isal = pytest.importorskip("isal.isal_zlib")
     src = _state()

@@ -24,13 +24,8 @@ from torch.distributed.checkpoint.default_planner import DefaultLoadPlanner, Def
 from torch.distributed.checkpoint.metadata import TensorStorageMetadata
 
 from vescale.checkpoint import _compat
-from vescale.checkpoint._state import Stager, decode_value, flatten_state
-from vescale.checkpoint._storage import (
-    CheckpointError,
+from vescale.checkpoint._commit import (
     SaveLock,
-    VescaleFileSystemReader,
-    VescaleFileSystemWriter,
-    check_chunks,
     clean_stale,
     commit,
     new_manifest,
@@ -38,6 +33,11 @@ from vescale.checkpoint._storage import (
     resolve_checkpoint,
     rotate,
 )
+from vescale.checkpoint._coverage import check_chunks
+from vescale.checkpoint._format import CheckpointError
+from vescale.checkpoint._staging import Stager
+from vescale.checkpoint._state import decode_value, flatten_state
+from vescale.checkpoint._storage import VescaleFileSystemReader, VescaleFileSystemWriter
 from vescale.dtensor import get_default_timeout
 
 __all__ = [

@@ -1,30 +1,33 @@
 """Filesystem storage on top of DCP's ``FileSystemWriter``/``FileSystemReader``.
 
-What this adds to DCP's filesystem layer:
+This module holds the writer and the reader; the rest of the storage layer lives in one
+module per concept, and the names listed in ``__all__`` are re-exported here:
 
-- chunks are written as raw row-major bytes (no pickle, no zip container): the
-  writer computes a CRC32 (ISA-L's kernel when ``isal`` is installed, else zlib; the
-  same values) over exactly the bytes it hands to the file (no re-read),
-  the reader reads each chunk straight into the destination tensor when the chunk
-  covers it (one copy, as ``readinto``) and checksums the bytes as they arrive; a
-  flipped byte raises `CheckpointCorruptError` naming the file and the tensor.
-  Chunks carry the transform descriptor ``vescale-raw/1`` in DCP's metadata, so
-  DCP's plain ``FileSystemReader`` refuses them loudly instead of misreading them;
-- DCP's pickled ``.metadata`` is checksummed too and read with an allow-list
-  unpickler (only DCP's metadata classes, ``torch.Size``, dtypes, layouts): loading a
-  checkpoint never runs arbitrary code;
-- every file name taken from metadata must be a plain name inside the checkpoint dir,
-  and only regular files are opened (a FIFO, device, directory or symlink leading
-  outside the checkpoint is refused, ``.metadata`` and the manifest included);
-- before DCP reads anything, every requested tensor's chunks are checked against the
-  metadata: they cover the whole tensor and their byte lengths match their shapes
-  (`VescaleFileSystemReader.validate`);
-- atomic commit: data goes to ``<path>.tmp-<id>``; rank 0 writes the manifest and a
-  ``COMPLETE`` marker there, then renames the directory to ``<path>``; a crash between
-  the two renames of an overwrite is recovered by `resolve_checkpoint`;
-- cleanup of stale staging directories of crashed saves of the same path;
-- ``keep_last`` rotation over complete checkpoints of the same series (same parent
-  directory, same name up to a trailing number).
+- `vescale.checkpoint._format`: file names, the format version, the errors and the
+  CRC-32 (ISA-L's kernel when ``isal`` is installed, else zlib; the same values);
+- `vescale.checkpoint._safe_io`: plain file names inside the checkpoint dir, regular
+  files only (a FIFO, device, directory or symlink leading outside the checkpoint is
+  refused, ``.metadata`` and the manifest included), and DCP's pickled ``.metadata``
+  read with an allow-list unpickler (only DCP's metadata classes, ``torch.Size``,
+  dtypes, layouts): loading a checkpoint never runs arbitrary code;
+- `vescale.checkpoint._coverage`: before DCP reads anything, every requested tensor's
+  chunks are checked against the metadata: they cover the whole tensor and their byte
+  lengths match their shapes (`VescaleFileSystemReader.validate`);
+- `vescale.checkpoint._commit`: atomic commit (data goes to ``<path>.tmp-<id>``; rank 0
+  writes the manifest and a ``COMPLETE`` marker there, then renames the directory to
+  ``<path>``; a crash between the two renames of an overwrite is recovered by
+  `resolve_checkpoint`), cleanup of stale staging directories of crashed saves of the
+  same path, and ``keep_last`` rotation over complete checkpoints of the same series
+  (same parent directory, same name up to a trailing number).
+
+What the writer and reader add to DCP's filesystem layer: chunks are written as raw
+row-major bytes (no pickle, no zip container); the writer computes a CRC32 over exactly
+the bytes it hands to the file (no re-read); the reader reads each chunk straight into
+the destination tensor when the chunk covers it (one copy, as ``readinto``) and checksums
+the bytes as they arrive; a flipped byte raises `CheckpointCorruptError` naming the file
+and the tensor. Chunks carry the transform descriptor ``vescale-raw/1`` in DCP's
+metadata, so DCP's plain ``FileSystemReader`` refuses them loudly instead of misreading
+them. DCP's ``.metadata`` is checksummed too.
 """
 
 from __future__ import annotations
@@ -32,16 +35,9 @@ from __future__ import annotations
 import dataclasses
 import errno
 import io
-import json
 import math
 import os
-import pickle
-import re
-import shutil
-import stat
-import time
-import zlib
-from collections.abc import Iterable, Sequence
+from collections.abc import Iterable
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Any
@@ -62,7 +58,31 @@ from torch.distributed.checkpoint.storage import WriteResult
 from torch.futures import Future
 
 from vescale.checkpoint import _compat
+from vescale.checkpoint._commit import (
+    clean_stale,
+    commit,
+    is_complete,
+    read_manifest,
+    resolve_checkpoint,
+    rotate,
+    series_pattern,
+)
 from vescale.checkpoint._compat import StorageInfo as _StorageInfo
+from vescale.checkpoint._coverage import check_chunks, uncovered_box
+from vescale.checkpoint._format import (
+    _VERIFY_BLOCK,
+    COMPLETE_NAME,
+    CRC32_IMPL,
+    DATA_SUFFIX,
+    MANIFEST_NAME,
+    METADATA_NAME,
+    RAW_DESCRIPTOR,
+    CheckpointCorruptError,
+    CheckpointError,
+    IncompleteCheckpointError,
+    crc32,
+)
+from vescale.checkpoint._safe_io import _read_regular, _safe_name, open_regular, safe_load_metadata
 
 __all__ = [
     "CheckpointError",
@@ -86,173 +106,12 @@ __all__ = [
     "CRC32_IMPL",
 ]
 
-MANIFEST_NAME = "vescale_manifest.json"
-COMPLETE_NAME = "COMPLETE"
-METADATA_NAME = ".metadata"
-FORMAT = "vescale-checkpoint"
-FORMAT_VERSION = 2
-#: DCP transform descriptor of a chunk stored as raw row-major bytes.
-RAW_DESCRIPTOR = "vescale-raw/1"
-DATA_SUFFIX = ".distcp"
-_READ_BLOCK = 16 << 20
-_VERIFY_BLOCK = 4 << 20
-
-
-class CheckpointError(RuntimeError):
-    """Base class of vescale.checkpoint errors."""
-
-
-class CheckpointCorruptError(CheckpointError):
-    """A checksum did not match, or the manifest/metadata is malformed or unsafe."""
-
-
-class IncompleteCheckpointError(CheckpointError):
-    """The directory is not a complete checkpoint (no ``COMPLETE`` marker or manifest)."""
-
-
-# --------------------------------------------------------------------------- checksums
-def _select_crc32() -> tuple[Any, str]:
-    """CRC-32 (zlib's polynomial): ISA-L's folding kernel if ``isal`` is installed, else zlib.
-
-    Both give identical values (the format does not depend on which one ran) and both
-    release the GIL. ``VESCALE_CHECKPOINT_CRC32=zlib`` forces zlib; ``=isal`` requires
-    ISA-L.
-    """
-    want = os.environ.get("VESCALE_CHECKPOINT_CRC32", "auto").strip().lower()
-    if want not in ("auto", "isal", "zlib"):
-        raise ValueError(f"VESCALE_CHECKPOINT_CRC32={want!r}: expected auto, isal or zlib")
-    if want != "zlib":
-        try:
-            from isal.isal_zlib import crc32 as isal_crc32
-
-            if isal_crc32(b"123456789") == zlib.crc32(b"123456789"):
-                return isal_crc32, "isal"
-        except (ImportError, OSError):
-            if want == "isal":
-                raise
-    return zlib.crc32, "zlib"
-
-
-#: ``crc32(data, value=0) -> int``: the CRC-32 used for chunks, metadata and manifest.
-crc32, CRC32_IMPL = _select_crc32()
-
-
-def _crc_range(path: str | os.PathLike, offset: int, length: int) -> int:
-    crc = 0
-    with open(path, "rb") as f:
-        f.seek(offset)
-        left = length
-        while left > 0:
-            block = f.read(min(left, _READ_BLOCK))
-            if not block:
-                break
-            crc = crc32(block, crc)
-            left -= len(block)
-    return crc
-
-
-def _crc_file(path: str | os.PathLike) -> int:
-    return _crc_range(path, 0, os.path.getsize(path))
-
 
 @dataclasses.dataclass
 class _CheckedStorageInfo(_StorageInfo):
     """``_StorageInfo`` plus the CRC32 of the chunk's bytes (never pickled to disk)."""
 
     crc32: int = 0
-
-
-def _safe_name(name: str, root: str | os.PathLike) -> str:
-    """Return ``name`` if it is a plain file name inside ``root``; raise otherwise."""
-    if (
-        not isinstance(name, str)
-        or not name
-        or name in (".", "..")
-        or "/" in name
-        or "\\" in name
-        or "\x00" in name
-        or os.path.isabs(name)
-    ):
-        raise CheckpointCorruptError(
-            f"checkpoint {root}: file name {name!r} from metadata is not a plain name inside "
-            "the checkpoint directory"
-        )
-    real_root = os.path.realpath(root)
-    real = os.path.realpath(os.path.join(real_root, name))
-    if os.path.dirname(real) != real_root:
-        raise CheckpointCorruptError(
-            f"checkpoint {root}: file {name!r} resolves outside the checkpoint directory"
-        )
-    return name
-
-
-_FILE_KINDS = (
-    (stat.S_ISDIR, "a directory"),
-    (stat.S_ISFIFO, "a FIFO"),
-    (stat.S_ISCHR, "a character device"),
-    (stat.S_ISBLK, "a block device"),
-    (stat.S_ISSOCK, "a socket"),
-)
-
-
-def _kind(mode: int) -> str:
-    return next((what for test, what in _FILE_KINDS if test(mode)), "not a regular file")
-
-
-def open_regular(root: str | os.PathLike, name: str, what: str = "") -> io.BufferedReader:
-    """Open ``root/name`` for reading if it is a regular file inside ``root``.
-
-    Symlinks are followed only while they stay inside ``root`` (the directory itself
-    may be a symlink). A FIFO, device, socket or directory is refused before it is
-    opened, and again on the opened descriptor (``O_NONBLOCK``, so opening a FIFO that
-    replaced the file in between cannot block).
-
-    Args:
-        root: The checkpoint directory.
-        name: A plain file name inside it.
-        what: What the file holds, for the error message (e.g. ``"tensor 'w'"``).
-
-    Raises:
-        CheckpointCorruptError: Missing, unreadable, not a regular file, or outside ``root``.
-    """
-    _safe_name(name, root)
-    where = os.path.join(os.fspath(root), name)
-    about = f" ({what})" if what else ""
-    real = os.path.realpath(where)
-    try:
-        mode = os.stat(real).st_mode
-        if not stat.S_ISREG(mode):
-            raise CheckpointCorruptError(
-                f"checkpoint file {where}{about} is not a regular file: it is {_kind(mode)}"
-            )
-        flags = os.O_RDONLY | getattr(os, "O_NONBLOCK", 0) | getattr(os, "O_NOFOLLOW", 0)
-        fd = os.open(real, flags | getattr(os, "O_CLOEXEC", 0))
-    except FileNotFoundError:
-        raise CheckpointCorruptError(f"checkpoint file {where}{about} is missing") from None
-    except OSError as e:
-        raise CheckpointCorruptError(
-            f"cannot open checkpoint file {where}{about}: {e.strerror or e}"
-        ) from None
-    try:
-        mode = os.fstat(fd).st_mode
-        if not stat.S_ISREG(mode):
-            raise CheckpointCorruptError(
-                f"checkpoint file {where}{about} is not a regular file: it is {_kind(mode)}"
-            )
-        os.set_blocking(fd, True)
-        return os.fdopen(fd, "rb")
-    except BaseException:
-        os.close(fd)
-        raise
-
-
-def _read_regular(root: str | os.PathLike, name: str, what: str = "") -> bytes:
-    with open_regular(root, name, what) as f:
-        try:
-            return f.read()
-        except OSError as e:
-            where = os.path.join(os.fspath(root), name)
-            raise CheckpointCorruptError(f"cannot read checkpoint file {where}: {e}") from None
 
 
 # --------------------------------------------------------------------------- writer
@@ -432,491 +291,6 @@ class VescaleFileSystemWriter(FileSystemWriter):
             plain.append(out)
         self.chunk_records = records
         super().finish(metadata, plain)
-
-
-# --------------------------------------------------------------------------- safe metadata
-_ALLOWED_GLOBALS = {
-    ("torch.distributed.checkpoint.metadata", "Metadata"),
-    ("torch.distributed.checkpoint.metadata", "TensorStorageMetadata"),
-    ("torch.distributed.checkpoint.metadata", "BytesStorageMetadata"),
-    ("torch.distributed.checkpoint.metadata", "ChunkStorageMetadata"),
-    ("torch.distributed.checkpoint.metadata", "TensorProperties"),
-    ("torch.distributed.checkpoint.metadata", "MetadataIndex"),
-    ("torch.distributed.checkpoint.metadata", "StorageMeta"),
-    ("torch.distributed.checkpoint.metadata", "_MEM_FORMAT_ENCODING"),
-    ("torch.distributed.checkpoint.filesystem", "_StorageInfo"),
-    ("torch.serialization", "_get_layout"),
-    ("torch", "Size"),
-    ("pathlib", "PosixPath"),
-    ("pathlib", "WindowsPath"),
-    ("pathlib", "PurePosixPath"),
-    ("collections", "OrderedDict"),
-}
-
-
-def _allowed(module: str, name: str) -> bool:
-    if (module, name) in _ALLOWED_GLOBALS:
-        return True
-    if module == "torch":
-        import torch
-
-        return isinstance(
-            getattr(torch, name, None), (torch.dtype, torch.layout, torch.memory_format)
-        )
-    return False
-
-
-class _MetadataUnpickler(pickle.Unpickler):
-    def find_class(self, module: str, name: str) -> Any:
-        if not _allowed(module, name):
-            raise CheckpointCorruptError(
-                f"checkpoint metadata refers to {module}.{name}, which is not an allowed "
-                "metadata type (refusing to unpickle arbitrary objects)"
-            )
-        return super().find_class(module, name)
-
-
-def safe_load_metadata(data: bytes, where: str | os.PathLike = "") -> Metadata:
-    """Unpickle DCP metadata allowing only DCP's metadata classes and torch value types.
-
-    Args:
-        data: The pickled ``Metadata``.
-        where: The file it came from (for error messages).
-
-    Raises:
-        CheckpointCorruptError: Not a pickled ``Metadata`` or refers to another type.
-    """
-    name = f" in {os.fspath(where)}" if where else ""
-    try:
-        md = _MetadataUnpickler(io.BytesIO(data)).load()
-    except CheckpointCorruptError as e:
-        raise CheckpointCorruptError(f"{e}{name}") from None
-    except Exception as e:  # noqa: BLE001 - any unpickling failure means a bad file
-        raise CheckpointCorruptError(
-            f"checkpoint metadata{name} cannot be unpickled: {type(e).__name__}: {e}"
-        ) from None
-    if not isinstance(md, Metadata):
-        raise CheckpointCorruptError(
-            f"checkpoint metadata{name} is a {type(md).__name__}, not Metadata"
-        )
-    return md
-
-
-# --------------------------------------------------------------------------- manifest
-def _is_complete_dir(p: Path) -> bool:
-    return (p / COMPLETE_NAME).is_file() and (p / MANIFEST_NAME).is_file()
-
-
-def _created_ns(p: Path) -> int:
-    try:
-        created = json.loads((p / COMPLETE_NAME).read_text())["created_ns"]
-    except (OSError, ValueError, KeyError, TypeError):
-        return -1
-    return created if isinstance(created, int) else -1
-
-
-def resolve_checkpoint(path: str | os.PathLike) -> Path:
-    """The directory that holds the committed checkpoint ``path``.
-
-    That is ``path`` itself, except after a crash inside the commit of a save that
-    overwrote ``path``: the previous checkpoint was moved to ``<path>.old-<id>`` and the
-    crash came before the new one was renamed to ``path``. The previous checkpoint is
-    then still the committed one (the new one never reached ``path``), so its directory
-    is returned; the next successful save of ``path`` removes it.
-
-    Returns:
-        ``path``, or the ``<path>.old-<id>`` directory holding its committed checkpoint.
-    """
-    p = Path(path)
-    if p.exists():
-        return p
-    best: tuple[int, Path] | None = None
-    try:
-        entries = list(p.parent.iterdir())
-    except OSError:
-        return p
-    for d in entries:
-        if not d.name.startswith(p.name + "."):
-            continue
-        m = _TMP_RE.fullmatch(d.name[len(p.name) :])
-        if m is None or m.group(1) != "old" or not d.is_dir() or not _is_complete_dir(d):
-            continue
-        created = _created_ns(d)
-        if best is None or created > best[0]:
-            best = (created, d)
-    return p if best is None else best[1]
-
-
-def is_complete(path: str | os.PathLike) -> bool:
-    """True if ``path`` is a committed vescale checkpoint (see `resolve_checkpoint`)."""
-    return _is_complete_dir(resolve_checkpoint(path))
-
-
-def _parse_json(p: Path, name: str, raw: bytes) -> dict[str, Any]:
-    try:
-        obj = json.loads(raw)
-    except (ValueError, UnicodeDecodeError) as e:
-        raise CheckpointCorruptError(f"checkpoint file {p / name} is not valid JSON: {e}") from None
-    if not isinstance(obj, dict):
-        raise CheckpointCorruptError(
-            f"checkpoint file {p / name} is not a JSON object (it holds a {type(obj).__name__})"
-        )
-    return obj
-
-
-def _is_int(v: Any) -> bool:
-    return isinstance(v, int) and not isinstance(v, bool)
-
-
-def _check_manifest(p: Path, manifest: dict[str, Any]) -> None:
-    where = p / MANIFEST_NAME
-
-    def bad(what: str) -> CheckpointCorruptError:
-        return CheckpointCorruptError(f"checkpoint file {where}: {what}")
-
-    if manifest.get("format") != FORMAT or manifest.get("version") != FORMAT_VERSION:
-        raise bad(
-            f"unknown format {manifest.get('format')!r} version {manifest.get('version')!r} "
-            f"(expected {FORMAT!r} version {FORMAT_VERSION})"
-        )
-    for key, typ in (("chunks", list), ("values", dict), ("tensors", dict)):
-        if not isinstance(manifest.get(key), typ):
-            raise bad(f"{key!r} is missing or not a JSON {'array' if typ is list else 'object'}")
-    if not _is_int(manifest.get("metadata_crc32")):
-        raise bad("'metadata_crc32' is missing or not an integer")
-    for i, rec in enumerate(manifest["chunks"]):
-        if not isinstance(rec, dict):
-            raise bad(f"chunks[{i}] is not a JSON object")
-        ok = (
-            isinstance(rec.get("fqn"), str)
-            and isinstance(rec.get("file"), str)
-            and all(_is_int(rec.get(k)) and rec[k] >= 0 for k in ("offset", "length"))
-            and (rec.get("crc32") is None or _is_int(rec["crc32"]))
-            and (
-                rec.get("offsets") is None
-                or (isinstance(rec["offsets"], list) and all(map(_is_int, rec["offsets"])))
-            )
-        )
-        if not ok:
-            raise bad(
-                f"chunks[{i}] is malformed (expected fqn, file, offset, length, crc32, "
-                f"offsets), got {rec!r}"
-            )
-        _safe_name(rec["file"], p)
-
-
-def read_manifest(path: str | os.PathLike) -> dict[str, Any]:
-    """Read and validate the JSON manifest of the complete checkpoint in directory ``path``.
-
-    Raises:
-        IncompleteCheckpointError: No checkpoint, or one that was never committed.
-        CheckpointCorruptError: The manifest does not match its ``COMPLETE`` marker, or
-            the marker or manifest is not a regular file, not JSON or malformed (the
-            message names the file).
-    """
-    p = Path(path)
-    if not p.is_dir():
-        raise IncompleteCheckpointError(f"no checkpoint at {p} (not a directory)")
-    if not os.path.lexists(p / COMPLETE_NAME):
-        raise IncompleteCheckpointError(
-            f"checkpoint {p} is incomplete: no {COMPLETE_NAME} marker (the save that wrote it "
-            "did not finish, or this is a staging directory)"
-        )
-    marker = _parse_json(p, COMPLETE_NAME, _read_regular(p, COMPLETE_NAME, "commit marker"))
-    raw = _read_regular(p, MANIFEST_NAME, "manifest")
-    if not _is_int(marker.get("manifest_crc32")):
-        raise CheckpointCorruptError(
-            f"checkpoint file {p / COMPLETE_NAME}: 'manifest_crc32' is missing or not an integer"
-        )
-    if crc32(raw) != marker["manifest_crc32"]:
-        raise CheckpointCorruptError(
-            f"checkpoint {p}: {MANIFEST_NAME} does not match the checksum in {COMPLETE_NAME}"
-        )
-    manifest = _parse_json(p, MANIFEST_NAME, raw)
-    _check_manifest(p, manifest)
-    return manifest
-
-
-def _fsync_dir(path: str | os.PathLike) -> None:
-    try:
-        fd = os.open(path, os.O_RDONLY)
-    except OSError:
-        return
-    try:
-        os.fsync(fd)
-    except OSError:
-        pass
-    finally:
-        os.close(fd)
-
-
-def _write_synced(path: Path, data: bytes) -> None:
-    with open(path, "wb") as f:
-        f.write(data)
-        f.flush()
-        os.fsync(f.fileno())
-
-
-def commit(staging: str | os.PathLike, final: str | os.PathLike, manifest: dict[str, Any]) -> None:
-    """Write manifest + ``COMPLETE`` into ``staging`` and atomically rename it to ``final``.
-
-    Called on one rank after every rank finished writing. An existing ``final`` is
-    moved aside to ``<final>.old-<id>`` first and deleted only after the new checkpoint
-    is in place; a crash between the two renames is recovered by
-    `resolve_checkpoint`, which then returns the previous checkpoint.
-    """
-    staging, final = Path(staging), Path(final)
-    manifest = dict(manifest)
-    manifest["metadata_crc32"] = _crc_file(staging / METADATA_NAME)
-    raw = json.dumps(manifest, sort_keys=True).encode()
-    _write_synced(staging / MANIFEST_NAME, raw)
-    marker = {"created_ns": manifest["created_ns"], "manifest_crc32": crc32(raw)}
-    _write_synced(staging / COMPLETE_NAME, json.dumps(marker).encode())
-    _fsync_dir(staging)
-    old = None
-    if final.exists():
-        old = final.with_name(f"{final.name}.old-{manifest['save_id']}")
-        os.rename(final, old)
-    # A crash here leaves no `final`: resolve_checkpoint() finds the previous one at `old`.
-    os.rename(staging, final)
-    _fsync_dir(final.parent)
-    try:
-        # Removed only now: a crash before the rename leaves a staging directory whose
-        # lock no live process holds, which the next save of `final` deletes.
-        os.unlink(final / LOCK_NAME)  # the saver still holds its fd until it returns
-    except FileNotFoundError:
-        pass
-    if old is not None:
-        shutil.rmtree(old, ignore_errors=True)
-
-
-_TMP_RE = re.compile(r"\.(tmp|old)-([0-9a-f]{12})$")
-LOCK_NAME = ".vescale-save.lock"
-
-
-def series_pattern(name: str) -> re.Pattern[str] | None:
-    """The names in the same rotation series as ``name``: same text, another trailing number.
-
-    ``step_000100`` -> ``step_\\d+``; ``ckpt-7`` -> ``ckpt-\\d+``; a name without a
-    trailing number (``latest``) has no series (``None``).
-    """
-    m = re.fullmatch(r"(.*?)(\d+)", name)
-    if m is None:
-        return None
-    return re.compile(re.escape(m.group(1)) + r"\d+")
-
-
-def rotate(final: str | os.PathLike, keep_last: int) -> list[Path]:
-    """Delete the oldest complete checkpoints of ``final``'s series beyond ``keep_last``.
-
-    The series of ``final`` is every complete checkpoint in the same parent directory
-    whose name is ``final``'s name with its trailing number replaced by another number
-    (``step_100`` rotates ``step_90``, ``step_80``..., never ``best_3`` or ``latest``).
-    A name without a trailing number rotates nothing. Age is the commit time recorded
-    in ``COMPLETE``. ``final`` (the newest) is never deleted. Returns the deleted paths.
-    """
-    if keep_last < 1:
-        raise ValueError(f"keep_last must be >= 1, got {keep_last}")
-    final = Path(final)
-    pattern = series_pattern(final.name)
-    if pattern is None:
-        return []
-    found = []
-    for d in final.parent.iterdir():
-        if pattern.fullmatch(d.name) and d.is_dir() and is_complete(d):
-            try:
-                created = json.loads((d / COMPLETE_NAME).read_text())["created_ns"]
-            except (OSError, ValueError, KeyError):
-                continue
-            found.append((created, d))
-    found.sort()
-    older = [d for _, d in found if d.resolve() != final.resolve()]
-    deleted = []
-    excess = len(older) + 1 - keep_last
-    for d in older[: max(excess, 0)]:
-        shutil.rmtree(d, ignore_errors=True)
-        deleted.append(d)
-    return deleted
-
-
-class SaveLock:
-    """An exclusive ``flock`` on a file inside a staging directory, held while the save runs.
-
-    The kernel drops it when the saving process exits, however it dies, so a staging
-    directory whose lock can be taken belongs to no live save.
-    """
-
-    def __init__(self, staging: str | os.PathLike, save_id: str) -> None:
-        self.fd: int | None = None
-        os.makedirs(staging, exist_ok=True)
-        path = os.path.join(staging, LOCK_NAME)
-        fd = os.open(path, os.O_RDWR | os.O_CREAT, 0o644)
-        try:
-            import fcntl
-
-            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
-        except (ImportError, OSError):
-            pass  # no flock here: stale directories are then never cleaned up
-        os.write(fd, json.dumps({"save_id": save_id, "pid": os.getpid()}).encode())
-        self.fd = fd
-
-    def release(self) -> None:
-        if self.fd is not None:
-            os.close(self.fd)
-            self.fd = None
-
-
-def _is_stale(d: Path) -> bool:
-    """True if no live process holds the save lock of staging directory ``d``."""
-    try:
-        import fcntl
-    except ImportError:
-        return False
-    try:
-        fd = os.open(d / LOCK_NAME, os.O_RDWR)
-    except FileNotFoundError:
-        # A staging dir without a lock file: rank 0 died before creating it, or
-        # another rank created the dir first and rank 0 has not yet. Only trust age.
-        try:
-            return time.time() - d.stat().st_mtime > 3600
-        except OSError:
-            return False
-    except OSError:
-        return False
-    try:
-        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
-    except OSError:
-        return False  # a live save holds it (or flock is unsupported: keep it)
-    finally:
-        os.close(fd)
-    return True
-
-
-def clean_stale(final: str | os.PathLike, keep_id: str) -> list[Path]:
-    """Delete ``<final>.tmp-<id>`` / ``<final>.old-<id>`` left by crashed saves of ``final``.
-
-    Called after a successful commit of ``final``. A staging directory whose save lock
-    is held by a live process (another save of the same path in progress) is kept, as
-    is anything belonging to ``keep_id``. Returns the deleted paths.
-    """
-    final = Path(final)
-    deleted = []
-    try:
-        entries = list(final.parent.iterdir())
-    except OSError:
-        return deleted
-    for d in entries:
-        if not d.name.startswith(final.name + "."):
-            continue
-        m = _TMP_RE.fullmatch(d.name[len(final.name) :])
-        if m is None or m.group(2) == keep_id or not d.is_dir():
-            continue
-        if m.group(1) == "tmp" and not _is_stale(d):
-            continue
-        shutil.rmtree(d, ignore_errors=True)
-        deleted.append(d)
-    return deleted
-
-
-def new_manifest(save_id: str, world_size: int) -> dict[str, Any]:
-    return {
-        "format": FORMAT,
-        "version": FORMAT_VERSION,
-        "checksum": "crc32",
-        "save_id": save_id,
-        "world_size": world_size,
-        "created_ns": time.time_ns(),
-        "chunks": [],
-        "values": {},
-        "tensors": {},
-    }
-
-
-# --------------------------------------------------------------------------- coverage
-Box = tuple[list[int], list[int]]
-
-
-def _gap(lo: list[int], hi: list[int], boxes: list[Box], d: int) -> Box | None:
-    """A box inside ``[lo, hi)`` that none of ``boxes`` (all inside it) covers, or ``None``.
-
-    Sweeps dim ``d``: between consecutive box boundaries the set of boxes crossing the
-    slab is constant, and the slab is covered iff that set covers it in dims ``d+1..``.
-    """
-    if not boxes:
-        return list(lo), [h - a for a, h in zip(lo, hi)]
-    if d == len(lo):
-        return None
-    cuts = {lo[d], hi[d]}
-    for b_lo, b_hi in boxes:
-        cuts.add(b_lo[d])
-        cuts.add(b_hi[d])
-    order = sorted(boxes, key=lambda b: b[0][d])
-    active: list[Box] = []
-    seen: set[tuple[int, ...]] = set()
-    nxt = 0
-    edges = sorted(cuts)
-    for a, b in zip(edges, edges[1:]):
-        while nxt < len(order) and order[nxt][0][d] <= a:
-            active.append(order[nxt])
-            nxt += 1
-        active = [x for x in active if x[1][d] > a]
-        ids = tuple(sorted(map(id, active)))
-        if ids in seen:  # the same boxes cross an earlier slab, which they covered
-            continue
-        seen.add(ids)
-        sub_lo, sub_hi = list(lo), list(hi)
-        sub_lo[d], sub_hi[d] = a, b
-        gap = _gap(sub_lo, sub_hi, active, d + 1)
-        if gap is not None:
-            return gap
-    return None
-
-
-def uncovered_box(shape: Sequence[int], chunks: Iterable[Box]) -> Box | None:
-    """``(offsets, sizes)`` of a box of a ``shape`` tensor that no chunk covers, or ``None``.
-
-    Args:
-        shape: The tensor's shape.
-        chunks: ``(offsets, sizes)`` of the saved chunks (they may overlap).
-    """
-    shape = [int(s) for s in shape]
-    if any(s == 0 for s in shape):
-        return None
-    boxes: list[Box] = []
-    for off, size in chunks:
-        b_lo = [max(0, int(o)) for o in off]
-        b_hi = [min(h, int(o) + int(s)) for o, s, h in zip(off, size, shape)]
-        if all(a < b for a, b in zip(b_lo, b_hi)):
-            boxes.append((b_lo, b_hi))
-    return _gap([0] * len(shape), shape, boxes, 0)
-
-
-def check_chunks(key: str, md: TensorStorageMetadata, where: str | os.PathLike) -> None:
-    """Raise unless the saved chunks of tensor ``key`` lie inside it and cover every element.
-
-    Raises:
-        CheckpointCorruptError: Naming the tensor and a chunk outside it, or a box that
-            no chunk covers (a load would leave those elements unchanged).
-    """
-    shape = list(md.size)
-    for c in md.chunks:
-        off, size = list(c.offsets), list(c.sizes)
-        if (
-            len(off) != len(shape)
-            or len(size) != len(shape)
-            or any(o < 0 or s < 0 or o + s > h for o, s, h in zip(off, size, shape))
-        ):
-            raise CheckpointCorruptError(
-                f"checkpoint {where}: tensor {key!r} of shape {shape} has a chunk at offsets "
-                f"{off} with sizes {size} that does not lie inside it"
-            )
-    gap = uncovered_box(shape, ((c.offsets, c.sizes) for c in md.chunks))
-    if gap is not None:
-        raise CheckpointCorruptError(
-            f"checkpoint {where}: tensor {key!r} of shape {shape} is not covered by its saved "
-            f"chunks: no chunk holds the box at offsets {gap[0]} with sizes {gap[1]} "
-            f"(the metadata lost a chunk)"
-        )
 
 
 # --------------------------------------------------------------------------- reader
