@@ -104,7 +104,7 @@ def worker(
                     x = idx[m0 : m0 + lay.micro_batch]
                     y = tgt[m0 : m0 + lay.micro_batch]
                     final = m0 + lay.micro_batch >= per
-                    meter = saved_activation_bytes() if (last and final) else None
+                    meter = saved_activation_bytes(model) if (last and final) else None
                     hooks = []
                     if meter is not None:
                         hooks = [

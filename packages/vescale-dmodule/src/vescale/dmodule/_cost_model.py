@@ -1081,12 +1081,22 @@ class saved_activation_bytes:
     Counts every storage once (views of one tensor share it), DTensors by their local
     tensor, and leaves out parameters and views of them. ``with
     saved_activation_bytes() as m: loss = step(...)`` then ``m.bytes``.
+
+    Args:
+        model: A parallelized model whose forward installs its own saved-tensor hooks
+            (``implicit_replication``, the default under tensor parallelism): those
+            would hide its tensors from an outer hook, so the meter also enters,
+            inside every forward of ``model``, a hook that counts what the model's hook
+            packs.
     """
 
-    def __init__(self) -> None:
+    def __init__(self, model: nn.Module | None = None) -> None:
         self.bytes = 0
         self._seen: set[tuple[int, int]] = set()
         self._hooks: Any = None
+        self._model = model
+        self._handles: list[Any] = []
+        self._inner: list[Any] = []
 
     def count(self, t: torch.Tensor) -> None:
         """Count ``t``'s storage too (once), e.g. a checkpointed block's kept input."""
@@ -1102,12 +1112,44 @@ class saved_activation_bytes:
             self.count(t)
         return t
 
+    def _pre(self, mod: nn.Module, args: Any) -> None:
+        from torch.autograd.graph import saved_tensors_hooks
+
+        from vescale.dmodule import _compat
+
+        top = _compat.top_saved_tensors_hooks()
+        if top is None:
+            ctx = saved_tensors_hooks(self._pack, lambda t: t)
+        else:
+            pack, unpack = top
+
+            def chained(t: torch.Tensor) -> Any:
+                self._pack(t)
+                return pack(t)
+
+            ctx = saved_tensors_hooks(chained, unpack)
+        ctx.__enter__()
+        self._inner.append(ctx)
+
+    def _post(self, mod: nn.Module, args: Any, out: Any) -> None:
+        if self._inner:
+            self._inner.pop().__exit__(None, None, None)
+
     def __enter__(self) -> saved_activation_bytes:
         from torch.autograd.graph import saved_tensors_hooks
 
         self._hooks = saved_tensors_hooks(self._pack, lambda t: t)
         self._hooks.__enter__()
+        if self._model is not None:
+            # after the model's own pre-hooks (its hook is then the top one); ours exits first
+            self._handles = [
+                self._model.register_forward_pre_hook(self._pre),
+                self._model.register_forward_hook(self._post, prepend=True, always_call=True),
+            ]
         return self
 
     def __exit__(self, *exc: Any) -> None:
+        for h in self._handles:
+            h.remove()
+        self._handles = []
         self._hooks.__exit__(*exc)
