@@ -757,7 +757,8 @@ class Estimate:
         layout: The `Layout`.
         accumulation: Micro-batches per step on each rank.
         memory: Per-rank bytes: ``params``, ``grads``, ``optimizer``, ``engine``
-            (data-parallel buffers kept between steps), ``activations`` (what autograd
+            (data-parallel buffers kept between steps: none for vescale's engines),
+            ``activations`` (what autograd
             keeps from the end of forward to backward: saved tensors, or with
             checkpointing the blocks' inputs), ``recompute`` (checkpointing: one
             block's saved tensors while it is recomputed) and ``total``.
@@ -829,13 +830,10 @@ def estimate(
     g_bytes = tp_g_bytes / lay.fsdp
     n_local = tp_n_train / lay.fsdp
     opt_bytes = g_bytes * optimizer_state_per_param
+    # FSDP reshards every group, the root included, after backward (measured: no
+    # unsharded buffer is left between steps); DDP's buckets are the gradients
     engine = 0.0
     elt = profile.params[0][2] if profile.params else 4
-    if fsdp_on:
-        # after backward the root group (embeddings, head, final norm) stays unsharded
-        # to start the next forward; blocks are resharded
-        root = max(tp_numel - profile.n_blocks * profile.block_param_numel / tp, 0.0)
-        engine = root * elt * (lay.fsdp - 1) / lay.fsdp
 
     # ---- activations (per micro-batch, per rank)
     a, ba = profile.act, profile.block_act
