@@ -262,19 +262,6 @@ def _full(t: torch.Tensor) -> torch.Tensor:
     return t.detach().cpu()
 
 
-def _is_peft(model: nn.Module) -> bool:
-    return hasattr(model, "peft_config") and hasattr(model, "get_base_model")
-
-
-def _lora_layers(base: nn.Module) -> dict[str, nn.Module]:
-    """Name -> peft LoRA layer (a module with ``base_layer``, ``lora_A``, ``lora_B``)."""
-    return {
-        n: m
-        for n, m in base.named_modules()
-        if hasattr(m, "base_layer") and hasattr(m, "lora_A") and hasattr(m, "lora_B")
-    }
-
-
 def _merge_fn(name: str, layer: nn.Module, weight: torch.Tensor) -> Callable[[], torch.Tensor]:
     """``W + sum over active adapters of B @ A * scaling`` (peft's merge), gathered."""
     merged = set(getattr(layer, "merged_adapters", ()))
@@ -316,33 +303,20 @@ def _module_items(model: nn.Module) -> list[tuple[str, torch.Tensor, Callable, b
     base weights merged, adapter tensors left out, ``modules_to_save`` copies in place
     of their originals.
     """
-    from vescale.checkpoint._hf import _state_tensors
+    from vescale.checkpoint._hf import _base_view, _is_peft, _lora_layers
 
-    base = model.get_base_model() if _is_peft(model) else model
-    lora = _lora_layers(base) if _is_peft(model) else {}
+    lora = _lora_layers(model.get_base_model()) if _is_peft(model) else {}
     items: list[tuple[str, torch.Tensor, Callable, bool]] = []
     seen: set[int] = set()
-    for key, t in _state_tensors(base).items():
+    for name, t, owner in _base_view(model):
         if id(t) in seen:
             continue  # a tied alias: written once, under its first name
         seen.add(id(t))
         fetch: Callable[[], torch.Tensor] = lambda t=t: _full(t)  # noqa: E731
-        name = key
         collective = isinstance(t, DTensor)
-        owner = next((n for n in lora if key.startswith(n + ".")), None)
-        if owner is not None:
-            rest = key[len(owner) + 1 :]
-            if not rest.startswith("base_layer."):
-                continue  # lora_A / lora_B / dropout state of the adapter itself
-            name = f"{owner}.{rest[len('base_layer.') :]}"
-            if rest == "base_layer.weight":
-                fetch = _merge_fn(owner, lora[owner], t)
-                collective = any(isinstance(p, DTensor) for p in lora[owner].parameters())
-        elif ".original_module." in key:
-            continue  # peft's modules_to_save: the trained copy is written instead
-        elif ".modules_to_save." in key:
-            head, tail = key.split(".modules_to_save.", 1)
-            name = f"{head}.{tail.split('.', 1)[1]}"
+        if owner is not None and name == f"{owner}.weight":
+            fetch = _merge_fn(owner, lora[owner], t)
+            collective = any(isinstance(p, DTensor) for p in lora[owner].parameters())
         items.append((name, t, fetch, collective))
     if not items:
         raise ValueError("export: the model has no parameters or persistent buffers")
@@ -402,11 +376,11 @@ def _export_module(
 
 def _export_adapter(model: nn.Module, out: Path, dtype: torch.dtype | None) -> list[Path]:
     """peft's ``save_pretrained`` on rank 0, from the gathered adapter tensors."""
+    from vescale.checkpoint._hf import _is_peft, _state_tensors
+
     if not _is_peft(model):
         raise ValueError("export(adapters='only') needs a peft model (peft.get_peft_model)")
     from peft import get_peft_model_state_dict
-
-    from vescale.checkpoint._hf import _state_tensors
 
     on = dist.is_available() and dist.is_initialized()
     rank = dist.get_rank() if on else 0

@@ -73,6 +73,49 @@ def _state_tensors(model: nn.Module) -> dict[str, torch.Tensor]:
     return out
 
 
+def _is_peft(model: nn.Module) -> bool:
+    return hasattr(model, "peft_config") and hasattr(model, "get_base_model")
+
+
+def _lora_layers(base: nn.Module) -> dict[str, nn.Module]:
+    """Name -> peft LoRA layer (a module with ``base_layer``, ``lora_A``, ``lora_B``)."""
+    return {
+        n: m
+        for n, m in base.named_modules()
+        if hasattr(m, "base_layer") and hasattr(m, "lora_A") and hasattr(m, "lora_B")
+    }
+
+
+def _base_view(model: nn.Module) -> list[tuple[str, torch.Tensor, str | None]]:
+    """``(base-model name, live tensor, LoRA layer or None)`` in ``state_dict`` order.
+
+    A plain model: its own ``state_dict`` names. A peft model: the names of the model
+    peft wrapped (``...q_proj.base_layer.weight`` is ``...q_proj.weight``, the third
+    entry naming its LoRA layer); the adapters' own tensors are left out, and
+    ``modules_to_save`` copies stand in for their originals.
+    """
+    if not _is_peft(model):
+        return [(k, t, None) for k, t in _state_tensors(model).items()]
+    base = model.get_base_model()
+    lora = _lora_layers(base)
+    out: list[tuple[str, torch.Tensor, str | None]] = []
+    for key, t in _state_tensors(base).items():
+        owner = next((n for n in lora if key.startswith(n + ".")), None)
+        if owner is not None:
+            rest = key[len(owner) + 1 :]
+            if not rest.startswith("base_layer."):
+                continue  # lora_A / lora_B / ... of the adapter itself
+            out.append((f"{owner}.{rest[len('base_layer.') :]}", t, owner))
+        elif ".original_module." in key:
+            continue  # peft's modules_to_save: the trained copy stands in for it
+        elif ".modules_to_save." in key:
+            head, tail = key.split(".modules_to_save.", 1)
+            out.append((f"{head}.{tail.split('.', 1)[1]}", t, None))
+        else:
+            out.append((key, t, None))
+    return out
+
+
 def _key_mapping(model_keys: list[str], file_keys: set[str]) -> tuple[str, str]:
     """``(strip, add)``: model key ``k`` is file key ``add + k.removeprefix(strip)``.
 
@@ -133,7 +176,8 @@ def load_hf(
     (transformers' own per-module initialiser, which also recomputes non-persistent
     buffers such as rotary ``inv_freq`` that the files do not hold; a no-op
     initialiser would leave those buffers uninitialised). Names follow the
-    model's ``state_dict()``; files saved from the task model load into the base
+    model's ``state_dict()`` (a peft model: the names of the model it wraps, the
+    adapters keeping their own initialisation); files saved from the task model load into the base
     model and the other way round (``transformer.`` / ``model.`` prefixes). Tied
     weights (``lm_head.weight`` is ``wte.weight``) are filled once, from whichever
     name the files have. Values are cast to each tensor's dtype (bf16 files into
@@ -169,7 +213,7 @@ def load_hf(
     t0 = time.perf_counter()
     root = Path(path)
     wmap = _weight_map(root)
-    live = _state_tensors(model)
+    live = {name: t for name, t, _ in _base_view(model)}
     strip, add = _key_mapping(list(live), set(wmap))
 
     def file_key(k: str) -> str | None:
