@@ -13,7 +13,8 @@ interleaved 1F1B) on stages split from an unmodified GPT. Per schedule, pipeline
   the ranks time-share the cores, which hides idle time; compare schedules with each
   other there.
 * **activation memory per stage**: bytes the stage saves for backward per micro-batch
-  (``saved_tensors_hooks``, each storage counted once), the largest number of
+  (``saved_tensors_hooks``, each storage counted once per micro-batch; this includes the
+  parameters autograd keeps a reference to, which cost no extra memory), the largest number of
   micro-batches in flight (forwarded, not yet backwarded) on the busiest stage, and
   their product, the peak activation memory (GPipe holds ``m``; 1F1B at most ``p``).
 * **bytes between stages**: bytes each rank sends per step (the send ops torch's
