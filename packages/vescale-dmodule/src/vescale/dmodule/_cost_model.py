@@ -417,7 +417,7 @@ def _blocks(model: nn.Module) -> tuple[str, list[nn.Module]]:
 
 
 def _one_block_model(model: nn.Module, blocks_name: str, blocks: list[nn.Module]) -> nn.Module:
-    """``model`` with its block list cut to the first block when all blocks look alike.
+    """``model`` (a meta copy) with its block list cut to the first block when all blocks look alike.
 
     The automatic plan generalises layer indices to ``\\d+``, so deriving it on one
     block gives the same keys as on all of them, at a fraction of the cost.
@@ -428,17 +428,10 @@ def _one_block_model(model: nn.Module, blocks_name: str, blocks: list[nn.Module]
 
     if len(blocks) < 2 or any(shapes(b) != shapes(blocks[0]) for b in blocks[1:]):
         return model
-    path = blocks_name.split(".")
-    root = copy.copy(model)
-    root._modules = dict(model._modules)  # noqa: SLF001 (nn.Module's own table)
-    parent = root
-    for part in path[:-1]:
-        child = copy.copy(parent._modules[part])
-        child._modules = dict(child._modules)
-        parent._modules[part] = child
-        parent = child
-    parent._modules[path[-1]] = nn.ModuleList([blocks[0]])
-    return root
+    parent_name, _, last = blocks_name.rpartition(".")
+    parent = model.get_submodule(parent_name) if parent_name else model
+    setattr(parent, last, nn.ModuleList([blocks[0]]))  # the meta copy: ours to cut
+    return model
 
 
 def _logits(out: Any) -> torch.Tensor:
