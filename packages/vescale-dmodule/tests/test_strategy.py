@@ -30,6 +30,7 @@ from vescale.dmodule import (
     estimate,
     get_strategy,
     layout_of,
+    probe_device,
     profile_model,
     reshard,
     saved_activation_bytes,
@@ -217,6 +218,12 @@ def test_profile_hf_models():
 def test_auto_reshard_and_checkpoint_resume(tmp_path):
     ref = _reference(6)
     data = _data(6)
+    # the probe: real figures, the same on every rank (the slowest rank's)
+    probed = probe_device(memory=2**30, copy_mb=4.0, collective_mb=1.0)
+    got = [None] * 4
+    dist.all_gather_object(got, probed)
+    assert all(g == probed for g in got)
+    assert probed.matmul_flops > 0 and probed.links[0].bandwidth > 0 and probed.op_overhead > 0
     # DModule(model, strategy="auto"): the search picks; dump_plan says why
     model = DModule(_gpt(), strategy="auto", device=DEV, global_batch=BATCH)
     choice = get_strategy(model)
