@@ -27,6 +27,7 @@ import sys
 import typing
 from argparse import ArgumentError
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import Literal
 
 __all__ = [
@@ -215,6 +216,33 @@ class CheckpointConfig:
 
 
 @dataclass
+class InitConfig:
+    """Where the weights start.
+
+    Attributes:
+        from_pretrained: a save_pretrained-style directory of this GPT (safetensors,
+            e.g. written by --export.hf) read into the parallelized model, each rank its
+            own shards (vescale.checkpoint.load_hf); empty: random init
+    """
+
+    from_pretrained: str = ""
+
+
+@dataclass
+class ExportConfig:
+    """The trained model as a save_pretrained-style directory.
+
+    Attributes:
+        hf: write the final weights here (safetensors shards + index + config.json;
+            each rank writes its own files, vescale.checkpoint.export); empty: none
+        max_shard_size: largest safetensors file, e.g. 5GB or 500MiB
+    """
+
+    hf: str = ""
+    max_shard_size: str = "5GB"
+
+
+@dataclass
 class Config:
     """The whole job.
 
@@ -225,6 +253,8 @@ class Config:
         data: the text to train on
         train: the loop, its logs and outputs
         checkpoint: periodic saves and resuming
+        init: where the weights start (random or a pretrained directory)
+        export: the trained model as a save_pretrained-style directory
     """
 
     model: ModelConfig = field(default_factory=ModelConfig)
@@ -233,6 +263,8 @@ class Config:
     data: DataConfig = field(default_factory=DataConfig)
     train: TrainConfig = field(default_factory=TrainConfig)
     checkpoint: CheckpointConfig = field(default_factory=CheckpointConfig)
+    init: InitConfig = field(default_factory=InitConfig)
+    export: ExportConfig = field(default_factory=ExportConfig)
 
     def to_dict(self) -> dict:
         return dataclasses.asdict(self)
@@ -523,6 +555,14 @@ def validate(cfg: Config, world_size: int) -> tuple[int, int]:
                 f"--parallel.dp {dp} x --parallel.tp {p.tp} = {dp * p.tp} must equal the world size "
                 f"{world_size} (or pass --parallel.dp 0 to use world size / tp)"
             )
+    for flag, value in (
+        ("--init.from_pretrained", cfg.init.from_pretrained),
+        ("--export.hf", cfg.export.hf),
+    ):
+        if value and p.pp > 1:
+            errors.append(f"{flag} needs --parallel.pp 1 (pipeline stages hold parts of the model)")
+    if cfg.init.from_pretrained and not Path(cfg.init.from_pretrained).is_dir():
+        errors.append(f"--init.from_pretrained {cfg.init.from_pretrained}: no such directory")
     per_step = dp * t.grad_accum * ((p.microbatches or p.pp) if p.pp > 1 else 1)
     if t.batch_size % per_step:
         errors.append(

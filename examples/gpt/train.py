@@ -636,6 +636,9 @@ def main(argv: list[str] | None = None) -> int:
         model = pipe.module  # this rank's stage(s), under the model's own parameter names
     else:
         model, dp_mode = parallelize(model, mesh, cfg)
+    if cfg.init.from_pretrained:  # each rank reads its own shards of the files
+        loaded = vckpt.load_hf(model, cfg.init.from_pretrained)
+        log0(f"weights from {cfg.init.from_pretrained} ({loaded.bytes_read:,} bytes on rank 0)")
     params = [p for p in model.parameters() if p.requires_grad]
     opt, opt_kind = build_optimizer(model, mesh, cfg)
     sched = build_scheduler(opt, cfg)
@@ -819,6 +822,14 @@ def main(argv: list[str] | None = None) -> int:
         )
         log0(f"final checkpoint: {path}")
     vckpt.wait_pending()
+    if cfg.export.hf:  # every rank writes its own files; config.json: the GPT's sizes
+        files = vckpt.export(
+            model, cfg.export.hf, max_shard_size=cfg.export.max_shard_size, config=False
+        )
+        if rank == 0:
+            conf = {"model_type": "vescale-gpt", **vars(cfg.model)}
+            (Path(cfg.export.hf) / "config.json").write_text(json.dumps(conf, indent=2))
+        log0(f"exported {len(files)} files to {cfg.export.hf} (--init.from_pretrained reads it)")
 
     # (samples need the whole model on one rank: not gathered across pipeline stages)
     plain = gather_plain_model(model, cfg) if cfg.train.sample_tokens and pipe is None else None

@@ -95,13 +95,24 @@ def first_run(tmp_path_factory):
     run_dir = tmp / "run"
     common = [*TINY, "--data", str(_corpus(tmp))]
     proc = run_torchrun(
-        [str(TRAIN), *common, "--train.run_dir", str(run_dir), "--train.steps", "6"],
+        [
+            str(TRAIN),
+            *common,
+            "--train.run_dir",
+            str(run_dir),
+            "--train.steps",
+            "6",
+            "--export.hf",
+            str(tmp / "hf"),
+            "--export.max_shard_size",
+            "40KB",
+        ],
         nproc=4,
         timeout=600,
         expect_marker=MARKER,
         cwd=REPO,
     )
-    return {"dir": run_dir, "stdout": proc.stdout, "common": common, "tmp": tmp}
+    return {"dir": run_dir, "stdout": proc.stdout, "common": common, "tmp": tmp, "hf": tmp / "hf"}
 
 
 def _copy_run(first_run, name: str, drop: tuple[str, ...] = ()) -> Path:
@@ -132,6 +143,22 @@ def test_train_2x2(first_run):
     ckpt = run_dir / "ckpt" / "step_000006"
     assert (ckpt / "COMPLETE").exists() or any(ckpt.iterdir())
     assert metrics["summary"]["steps"] == 6
+    # --export.hf: the final weights as sharded safetensors, the same values as the
+    # final checkpoint (exported offline for comparison)
+    from safetensors.torch import load_file
+
+    import vescale.checkpoint as vckpt
+
+    hf = first_run["hf"]
+    assert json.loads((hf / "config.json").read_text())["n_layer"] == 1
+    index = json.loads((hf / "model.safetensors.index.json").read_text())["weight_map"]
+    vckpt.export(ckpt, first_run["tmp"] / "from_ckpt")
+    want = load_file(first_run["tmp"] / "from_ckpt" / "model.safetensors")
+    for f in sorted(set(index.values())):
+        for k, v in load_file(hf / f).items():
+            assert torch.equal(v, want[k]), k
+            del want[k]
+    assert len(want) <= 1, sorted(want)  # a tied weight: written once, under its first name
     # Warmup (2 steps) then cosine: the schedule moved the lr, step by step.
     lrs = [r["lr"] for r in records]
     assert lrs[0] == pytest.approx(0.5e-2) and lrs[1] == pytest.approx(1e-2), lrs
@@ -211,6 +238,8 @@ def test_resume_on_2_ranks(first_run, tmp_path):
             "--parallel.tp",
             "1",
             "--resume",
+            "--init.from_pretrained",  # read first (dp=2, tp=1), then the resume wins
+            str(first_run["hf"]),
         ],  # fmt: skip
         nproc=2,
         timeout=600,
@@ -219,6 +248,7 @@ def test_resume_on_2_ranks(first_run, tmp_path):
         cwd=REPO,
     ).stdout
     assert "resumed from step 6" in out, out[-3000:]
+    assert f"weights from {first_run['hf']}" in out, out[-3000:]
     assert "mesh dp=2 x tp=1" in out
     assert out.count("note: no TensorBoard log (tensorboard hidden by the test)") == 1, out[-3000:]
     metrics = json.loads((run_dir / "metrics.json").read_text())
