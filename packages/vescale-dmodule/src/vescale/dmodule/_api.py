@@ -71,6 +71,10 @@ class DModule:
 
     def __new__(cls, *args: Any, **kwargs: Any):
         if cls is DModule:
+            if "strategy" in kwargs:  # DModule(model, strategy="auto", global_batch=...)
+                from vescale.dmodule._strategy import parallelize_auto
+
+                return parallelize_auto(*args, **kwargs)
             return parallelize_module(*args, **kwargs)
         return super().__new__(cls)
 
@@ -662,4 +666,7 @@ def dump_plan(model: nn.Module) -> str:
         for name, (key, spec) in table.items():
             label = f"{name}.{io}" if name else io
             lines.append(f"  {label}: {_fmt_spec(spec)}  <- plan key {key!r}")
-    return "\n".join(lines)
+    from vescale.dmodule._strategy import describe_strategy
+
+    why = describe_strategy(model)  # DModule(..., strategy="auto"): the ranking
+    return "\n".join(lines + ([why] if why else []))
