@@ -161,3 +161,33 @@ def test_architecture_page_draws_the_real_graph():
     assert drawn == real, (
         f"drawn but not imported: {sorted(drawn - real)}; imported but not drawn: {sorted(real - drawn)}"
     )
+
+
+def _sibling_private_imports(pkg: str, owner: dict[str, str]) -> list[str]:
+    """``file:line name`` for each import of another distribution's private name."""
+    bad: list[str] = []
+    for path in sorted((REPO / "packages" / pkg / "src").rglob("*.py")):
+        tree = ast.parse(path.read_text(), filename=str(path))
+        for node in ast.walk(tree):
+            if isinstance(node, ast.Import):
+                names = [alias.name for alias in node.names]
+            elif isinstance(node, ast.ImportFrom) and node.level == 0 and node.module:
+                names = [node.module] + [f"{node.module}.{a.name}" for a in node.names]
+            else:
+                continue
+            for name in names:
+                parts = name.split(".")
+                if len(parts) < 3 or parts[0] != "vescale" or owner.get(parts[1]) in (None, pkg):
+                    continue
+                if any(p.startswith("_") and not p.startswith("__") for p in parts[2:]):
+                    rel = path.relative_to(REPO)
+                    bad.append(f"{rel}:{node.lineno} {name}")
+    return bad
+
+
+@pytest.mark.parametrize("pkg", PACKAGES)
+def test_no_package_imports_a_siblings_private_module(pkg):
+    # Siblings meet through public names only (vescale.dtensor.compat for the probed torch
+    # internals), so a sibling may rename its private modules without breaking another.
+    bad = _sibling_private_imports(pkg, _dist_of_vescale_module())
+    assert not bad, f"{pkg} imports private names of another distribution:\n" + "\n".join(bad)

@@ -28,6 +28,7 @@ from vescale.checkpoint._api import (
     wait_pending,
 )
 from vescale.checkpoint._chunked import ChunkedTensor
+from vescale.checkpoint._compat import check_torch_internals
 from vescale.checkpoint._export import export
 from vescale.checkpoint._hf import load_hf
 from vescale.checkpoint._storage import (
@@ -44,6 +45,7 @@ from vescale.dtensor.chunks import flat_range_boxes, local_boxes
 
 __all__ = [
     "__version__",
+    "check_torch_internals",
     "save",
     "load",
     "export",

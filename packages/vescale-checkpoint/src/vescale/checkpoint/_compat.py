@@ -1,6 +1,6 @@
 """The one place where vescale-checkpoint touches torch internals.
 
-Probed by feature when imported (see ``vescale.dtensor._compat.TorchInternals``):
+Probed by feature when imported (see ``vescale.dtensor.compat.TorchInternals``):
 DCP's filesystem ``_StorageInfo`` (the location of a chunk in a data file, which the
 checked reader and writer extend with a CRC32) and ``torch._utils._element_size``.
 A missing one is replaced by a public equivalent where one exists, with one
@@ -15,8 +15,13 @@ from datetime import timedelta
 import torch
 import torch.distributed as dist
 
-from vescale.dtensor import _compat as _dtensor_compat
-from vescale.dtensor._compat import StridedShard, TorchInternals, default_group, local_tensor
+from vescale.dtensor.compat import (
+    StridedShard,
+    TorchInternals,
+    default_group,
+    dtensor_internals,
+    local_tensor,
+)
 
 __all__ = [
     "StorageInfo",
@@ -35,7 +40,7 @@ for _name in (
     "torch.distributed.distributed_c10d._get_default_group",
     "DTensor._local_tensor",
 ):
-    _INTERNALS.adopt(_name, _dtensor_compat._INTERNALS)
+    _INTERNALS.adopt(_name, dtensor_internals())
 
 
 def _storage_info() -> tuple[type, str | None]:
@@ -128,6 +133,6 @@ def check_torch_internals() -> dict[str, str]:
     """What vescale-checkpoint found of the torch internals it relies on.
 
     Returns:
-        ``{internal: status}``, statuses as in ``vescale.dtensor._compat.check_torch_internals``.
+        ``{internal: status}``, statuses as in ``vescale.dtensor.compat.check_torch_internals``.
     """
     return _INTERNALS.report()

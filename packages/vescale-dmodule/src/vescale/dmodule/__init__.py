@@ -27,6 +27,7 @@ from vescale.dmodule.__about__ import __version__
 from vescale.dmodule._activation_checkpoint import apply_activation_checkpointing
 from vescale.dmodule._api import DModule, dump_plan, is_dmodule, parallelize_module
 from vescale.dmodule._auto_plan import default_sharding_plan
+from vescale.dmodule._compat import check_torch_internals
 from vescale.dmodule._cost_model import (
     DeviceSpec,
     Estimate,
@@ -60,6 +61,7 @@ from vescale.dmodule._torch_styles import TorchStyleError
 
 __all__ = [
     "__version__",
+    "check_torch_internals",
     "DModule",
     "parallelize_module",
     "dump_plan",

@@ -1,6 +1,6 @@
 """The one place where vescale-dmodule touches torch internals.
 
-Probed by feature when imported (see ``vescale.dtensor._compat.TorchInternals``). An
+Probed by feature when imported (see ``vescale.dtensor.compat.TorchInternals``). An
 internal that is missing or changed is replaced by a slower public path where one
 exists; otherwise the one feature that needs it raises a clear error when used. Either
 way the package imports, and one ``TorchInternalsWarning`` names the internal.
@@ -16,11 +16,11 @@ from typing import Any
 
 import torch
 
-from vescale.dtensor import _compat as _dtensor_compat
-from vescale.dtensor._compat import (
+from vescale.dtensor.compat import (
     StridedShard,
     TorchInternals,
     all_gather_single,
+    dtensor_internals,
     local_tensor,
     queue_callback,
     reduce_scatter_single,
@@ -52,7 +52,7 @@ for _name in (
     "DTensor._local_tensor",
     "torch.autograd.Variable._execution_engine.queue_callback",
 ):
-    _INTERNALS.adopt(_name, _dtensor_compat._INTERNALS)
+    _INTERNALS.adopt(_name, dtensor_internals())
 
 
 def _missing(what: str) -> NotImplementedError:
@@ -247,6 +247,6 @@ def check_torch_internals() -> dict[str, str]:
     """What vescale-dmodule found of the torch internals it relies on.
 
     Returns:
-        ``{internal: status}``, statuses as in ``vescale.dtensor._compat.check_torch_internals``.
+        ``{internal: status}``, statuses as in ``vescale.dtensor.compat.check_torch_internals``.
     """
     return _INTERNALS.report()

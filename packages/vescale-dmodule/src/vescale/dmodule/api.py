@@ -17,7 +17,7 @@ from torch.distributed.device_mesh import DeviceMesh
 
 from vescale.dmodule._api import DModule, is_dmodule
 from vescale.dmodule._api import parallelize_module as _parallelize_module
-from vescale.dtensor._vescale_names import refusing_getattr
+from vescale.dtensor.compat import refusing_getattr
 
 __all__ = ["parallelize_module", "is_dmodule", "DModule"]
 

@@ -5,7 +5,7 @@ The plan comes from vescale's automatic Megatron tensor(+sequence)-parallel plan
 """
 
 from vescale.dmp._dmp import auto_parallelize_module
-from vescale.dtensor._vescale_names import refusing_getattr
+from vescale.dtensor.compat import refusing_getattr
 
 __all__ = ["auto_parallelize_module"]
 

@@ -9,6 +9,7 @@ plugins: a placement registered through the ``vescale`` entry point works with
 from torch.distributed.tensor import DTensor, Partial, Placement, Replicate, Shard
 
 from vescale.dtensor.__about__ import __version__
+from vescale.dtensor._compat import check_torch_internals
 from vescale.dtensor._dispatch import install_patches as _install_patches
 from vescale.dtensor._redistribute import (
     RedistributePlan,
@@ -48,6 +49,7 @@ _install_patches()
 
 __all__ = [
     "__version__",
+    "check_torch_internals",
     "DeviceMesh",
     "MeshMismatchError",
     "resolve_mesh_dim",

@@ -10,6 +10,7 @@
 
 from vescale.optim.__about__ import __version__
 from vescale.optim._clip import clip_grad_norm_, clip_grads_with_norm_, get_total_norm
+from vescale.optim._compat import check_torch_internals
 from vescale.optim._muon import Muon
 from vescale.optim._zero import (
     ELEMENTWISE_OPTIMIZERS,
@@ -19,6 +20,7 @@ from vescale.optim._zero import (
 
 __all__ = [
     "__version__",
+    "check_torch_internals",
     "DistributedOptimizer",
     "ELEMENTWISE_OPTIMIZERS",
     "GradientsReleasedError",

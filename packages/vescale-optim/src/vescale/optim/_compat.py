@@ -1,6 +1,6 @@
 """The one place where vescale-optim touches torch internals.
 
-Probed by feature when imported (see ``vescale.dtensor._compat.TorchInternals``):
+Probed by feature when imported (see ``vescale.dtensor.compat.TorchInternals``):
 ``torch._foreach_mul_`` (gradient clipping scales every gradient with one kernel per
 device and dtype) and DTensor's local tensor. One that is missing or behaves
 differently is replaced by a public (slower) equivalent, with one
@@ -13,13 +13,12 @@ from collections.abc import Sequence
 
 import torch
 
-from vescale.dtensor import _compat as _dtensor_compat
-from vescale.dtensor._compat import TorchInternals, local_tensor
+from vescale.dtensor.compat import TorchInternals, dtensor_internals, local_tensor
 
 __all__ = ["check_torch_internals", "foreach_mul_", "local_tensor"]
 
 _INTERNALS = TorchInternals("vescale-optim")
-_INTERNALS.adopt("DTensor._local_tensor", _dtensor_compat._INTERNALS)
+_INTERNALS.adopt("DTensor._local_tensor", dtensor_internals())
 
 _FOREACH_MUL = getattr(torch, "_foreach_mul_", None)
 
@@ -52,6 +51,6 @@ def check_torch_internals() -> dict[str, str]:
     """What vescale-optim found of the torch internals it relies on.
 
     Returns:
-        ``{internal: status}``, statuses as in ``vescale.dtensor._compat.check_torch_internals``.
+        ``{internal: status}``, statuses as in ``vescale.dtensor.compat.check_torch_internals``.
     """
     return _INTERNALS.report()

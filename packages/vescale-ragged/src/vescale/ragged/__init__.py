@@ -9,6 +9,7 @@ only through the ``vescale`` entry point (``vescale.ragged._plugin``).
 """
 
 from vescale.ragged.__about__ import __version__
+from vescale.ragged._compat import check_torch_internals
 from vescale.ragged._flat_buffer import FlatBuffer, FlatWork, bucket_specs
 from vescale.ragged._pack import PackKernels, TorchPackKernels, get_pack_kernels
 from vescale.ragged._placement import RaggedShard
@@ -22,6 +23,7 @@ from vescale.ragged._planner import (
 
 __all__ = [
     "__version__",
+    "check_torch_internals",
     "RaggedShard",
     "ParamSpec",
     "ParamSlot",

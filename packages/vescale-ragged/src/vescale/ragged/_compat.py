@@ -1,6 +1,6 @@
 """The one place where vescale-ragged touches torch internals.
 
-Probed by feature when imported (see ``vescale.dtensor._compat.TorchInternals``):
+Probed by feature when imported (see ``vescale.dtensor.compat.TorchInternals``):
 ``torch._C._nn.flatten_dense_tensors``, ``torch._C._nn.unflatten_dense_tensors`` and
 ``torch._foreach_copy_``, which the torch pack kernels use. The collectives renamed
 across torch releases and torch's shard-size rule come from vescale-dtensor's
@@ -16,10 +16,10 @@ from collections.abc import Callable, Sequence
 
 import torch
 
-from vescale.dtensor import _compat as _dtensor_compat
-from vescale.dtensor._compat import (
+from vescale.dtensor.compat import (
     TorchInternals,
     all_gather_single,
+    dtensor_internals,
     reduce_scatter_single,
     shard_size_and_offset,
 )
@@ -41,7 +41,7 @@ for _name in (
     "torch.distributed.reduce_scatter_single",
     "Shard.local_shard_size_and_offset",
 ):
-    _INTERNALS.adopt(_name, _dtensor_compat._INTERNALS)
+    _INTERNALS.adopt(_name, dtensor_internals())
 
 
 def _flatten_public(tensors: Sequence[torch.Tensor]) -> torch.Tensor:
@@ -143,6 +143,6 @@ def check_torch_internals() -> dict[str, str]:
     """What vescale-ragged found of the torch internals it relies on.
 
     Returns:
-        ``{internal: status}``, statuses as in ``vescale.dtensor._compat.check_torch_internals``.
+        ``{internal: status}``, statuses as in ``vescale.dtensor.compat.check_torch_internals``.
     """
     return _INTERNALS.report()
