@@ -9,6 +9,7 @@ from collections.abc import Sequence
 import torch.distributed as dist
 from torch.distributed.device_mesh import DeviceMesh
 
+from vescale.dtensor._collectives_impl import resolve_mesh_dim
 from vescale.dtensor.device_mesh import init_device_mesh
 
 __all__ = ["VeDeviceMesh", "VESCALE_DEVICE_MESH"]
@@ -101,14 +102,7 @@ class VeDeviceMesh:
         return self._names[len(self._names) - 1 - strategy]
 
     def _index(self, dim: int | str) -> int:
-        self._require()
-        if isinstance(dim, str):
-            if dim not in self._names:
-                raise ValueError(f"{dim!r} is not a mesh dim name; the mesh has {self._names}")
-            return self._names.index(dim)
-        if isinstance(dim, bool) or not isinstance(dim, int) or not 0 <= dim < len(self._names):
-            raise ValueError(f"mesh dim {dim!r} is out of range for a {len(self._names)}-dim mesh")
-        return dim
+        return resolve_mesh_dim(self._require(), dim, "mesh dim")
 
     # ------------------------------------------------------------------ views
     def __getitem__(self, mesh_dim_name: str) -> DeviceMesh:
