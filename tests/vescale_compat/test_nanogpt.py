@@ -104,7 +104,9 @@ def test_nanogpt_plan_4d_equals_single_device(use_do):
     ref, ref_losses = _reference()
     torch.testing.assert_close(torch.tensor(losses), torch.tensor(ref_losses), **TOL)
     for (name, p), (_, q) in zip(model.named_parameters(), ref.named_parameters()):
-        torch.testing.assert_close(p.full_tensor(), q.detach(), **TOL, msg=lambda m: f"{name}: {m}")
+        torch.testing.assert_close(
+            p.full_tensor(), q.detach(), **TOL, msg=lambda m, name=name: f"{name}: {m}"
+        )
 
 
 @distributed(2, timeout=300)
