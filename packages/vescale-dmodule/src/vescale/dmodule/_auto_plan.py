@@ -46,7 +46,6 @@ from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import Replicate, Shard
 
 from vescale.dmodule._compat import StridedShard as _StridedShard
-from vescale.dtensor import resolve_mesh_dim
 
 __all__ = ["default_sharding_plan", "resolve_tp_dim"]
 
@@ -68,9 +67,16 @@ def resolve_tp_dim(mesh: DeviceMesh, tp_dim: int | str | None) -> int:
 
     ``None`` or ``"tp"`` on a mesh without that name: the last mesh dim.
     """
-    if tp_dim is None or (tp_dim == "tp" and "tp" not in (mesh.mesh_dim_names or ())):
+    names = mesh.mesh_dim_names or ()
+    if isinstance(tp_dim, int) and not isinstance(tp_dim, bool):
+        if not -mesh.ndim <= tp_dim < mesh.ndim:
+            raise ValueError(f"tp_dim {tp_dim} is out of range for a {mesh.ndim}-dim mesh")
+        return tp_dim % mesh.ndim
+    if tp_dim is None or (tp_dim == "tp" and "tp" not in names):
         return mesh.ndim - 1
-    return resolve_mesh_dim(mesh, tp_dim, "tp_dim")
+    if tp_dim not in names:
+        raise ValueError(f"tp_dim {tp_dim!r} is not a mesh dim name; mesh dims are {list(names)}")
+    return names.index(tp_dim)
 
 
 def _generalise(name: str) -> str:
