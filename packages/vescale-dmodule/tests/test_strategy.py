@@ -10,6 +10,7 @@ and as one device do.
 
 from __future__ import annotations
 
+import dataclasses
 import time
 
 import pytest
@@ -39,6 +40,7 @@ from vescale.dmodule import (
 from vescale.dmodule.testing import GPT, GPTConfig
 from vescale.dtensor import DTensor
 from vescale.dtensor.testing import distributed, run_on_ranks
+from vescale.optim import DistributedOptimizer
 
 SEQ = 8
 BATCH = 8  # global batch
@@ -103,6 +105,13 @@ def _opt(model):
     return torch.optim.AdamW(model.parameters(), lr=1e-2, weight_decay=0.1)
 
 
+def _zero(model):
+    mesh = next(p.device_mesh for p in model.parameters())
+    return DistributedOptimizer(
+        model, torch.optim.AdamW, mesh=mesh, dp_dim="dp", lr=1e-2, weight_decay=0.1
+    )
+
+
 def _reference(steps: int) -> list[float]:
     model = _gpt()
     return _train(model, _opt(model), _data(steps), None)
@@ -139,14 +148,57 @@ def test_profile_counts_and_estimate_arithmetic():
     assert ac.memory["activations"] < one.memory["activations"]
     assert ac.time["compute"] > one.time["compute"]
     # bad input, before anything runs
-    with pytest.raises(NotImplementedError, match="pipeline"):
-        Layout(pp=2)
     with pytest.raises(ValueError, match="sequence_parallel needs tp"):
         Layout(sequence_parallel=True)
     with pytest.raises(ValueError, match="does not divide"):
         estimate(prof, Layout(dp=3), DEV, BATCH)
     with pytest.raises(ValueError, match="overlap"):
         DeviceSpec(1, 1, 1, (Link(0, 1, 0),), overlap=2)
+
+
+def test_pipeline_layout_and_oversubscription_arithmetic():
+    prof = profile_model(_gpt(), SEQ)  # 2 blocks
+    lay = Layout(pp=2, micro_batch=2)
+    assert lay.world == 2 and lay.mesh_dims == (("pp", 2),) and lay.describe() == "pp2 mb2"
+    est = estimate(prof, lay, DEV, BATCH)
+    m, p = BATCH // 2, 2  # 4 micro-batches through 2 stages
+    t = est.time
+    busy = t["compute"] + t["memory_bound"] + t["overhead"] + t["tp_comm"] + t["pp_comm"]
+    assert t["pp_bubble"] / (busy + t["pp_bubble"]) == pytest.approx((p - 1) / (m + p - 1))
+    # boundary activations forward and their gradients backward, per micro-batch
+    assert est.traffic["pp"] == 2 * m * 2 * SEQ * 16 * 4
+    assert t["pp_comm"] == pytest.approx(m * 2 * (2 * SEQ * 16 * 4 / 1e10 + 1e-6))
+    # the busiest stage: half the blocks and everything outside them
+    inside = sum(n * e for name, n, e, _ in prof.params if name.startswith("blocks."))
+    outside = prof.num_params * 4 - inside
+    assert est.memory["params"] == pytest.approx(inside / p + outside)
+    assert est.memory["optimizer"] == pytest.approx(2 * (inside / p + outside))
+    # 1F1B: the first stage keeps min(m, p) micro-batches of its blocks
+    kept, whole = sum(prof.block_act.values()), sum(prof.act.values())
+    assert est.memory["activations"] == pytest.approx(
+        max(min(m, p) * kept / p, kept / p + whole - kept) * 2
+    )
+    one = estimate(prof, Layout(micro_batch=2), DEV, BATCH)
+    assert est.time["compute"] < one.time["compute"] and one.time["pp_bubble"] == 0
+    # pipeline layouts: searched on request, predicted only
+    ranked, _ = search(prof, 4, DEV, BATCH, allow={"pp": [1, 2, 4]})
+    pps = {e.layout.pp for e in ranked}
+    assert pps == {1, 2}  # pp 4 > 2 blocks
+    assert {e.layout.pp for e in search(prof, 4, DEV, BATCH)[0]} == {1}
+    with pytest.raises(ValueError, match="2 transformer block"):
+        estimate(prof, Layout(pp=4, micro_batch=2), DEV, BATCH)
+    with pytest.raises(NotImplementedError, match="pipeline_parallelize"):
+        apply_layout(_gpt(), lay)
+    with pytest.raises(ValueError, match="predicted by search"):
+        DModule(_gpt(), strategy="auto", device=DEV, global_batch=BATCH, allow={"pp": [2]})
+    # CPU ranks sharing cores: host time stretches by ranks / cores; a GPU per rank: not
+    shared = dataclasses.replace(DEV, cores=2, ranks_per_node=4)
+    assert shared.host_share(4) == 2 and shared.host_share(1) == 1 and DEV.host_share(4) == 1
+    d4 = Layout(dp=4, micro_batch=2)
+    alone, crowded = estimate(prof, d4, DEV, BATCH), estimate(prof, d4, shared, BATCH)
+    for k in ("compute", "memory_bound", "overhead", "optimizer"):
+        assert crowded.time[k] == pytest.approx(2 * alone.time[k])
+    assert crowded.time["dp_comm"] == alone.time["dp_comm"]
 
 
 def test_search_ranks_every_candidate_and_is_fast_at_1024_ranks():
@@ -262,6 +314,31 @@ def test_auto_reshard_and_checkpoint_resume(tmp_path):
     assert losses == pytest.approx(ref, abs=1e-5), (losses, ref)
     with pytest.raises(ReshardError, match="model_fn"):
         reshard(GPT(GPTConfig(**CFG)), None, c)
+
+    # ZeRO (DistributedOptimizer): its sharded state moves too, dp 4 -> dp 2 x tp 2
+    z = Layout(dp=4, micro_batch=2)
+    model = apply_layout(_gpt(), z, data_parallel=None)  # ZeRO reduces the gradients
+    opt = _zero(model)
+    zero_losses = _train(model, opt, data[:2], z)
+    path = str(tmp_path / "z")
+    vckpt.save(path, {"model": model, "optimizer": opt})
+    # refused before any collective: only rank 0 calls (a collective would hang)
+    if dist.get_rank() == 0:
+        with pytest.raises(ReshardError, match="shards parameters over 'fsdp'"):
+            reshard(model, opt, Layout(fsdp=4, micro_batch=2))
+        with pytest.raises(ReshardError, match="no 'dp' dim"):
+            reshard(model, opt, Layout(tp=4, micro_batch=8))
+    zt = Layout(dp=2, tp=2, micro_batch=4)
+    model, opt = reshard(model, opt, zt)
+    assert isinstance(opt, DistributedOptimizer) and opt.dp_size == 2
+    after = _train(model, opt, data[2:4], zt)
+    fresh = apply_layout(_gpt(seed=7), zt, data_parallel=None)
+    fresh_opt = _zero(fresh)
+    _train(fresh, fresh_opt, data[:1], zt)
+    vckpt.load(path, {"model": fresh, "optimizer": fresh_opt})
+    resumed = _train(fresh, fresh_opt, data[2:4], zt)
+    assert after == pytest.approx(resumed, abs=1e-6), (after, resumed)
+    assert zero_losses + after == pytest.approx(ref[:4], abs=1e-5), (zero_losses + after, ref)
 
 
 # ---------------------------------------------------------------- elastic: 4 -> 2 ranks

@@ -58,40 +58,40 @@ _DP_MODES = ("none", "ddp", "fsdp", "hsdp")
 class Layout:
     """One parallel layout: degrees per mesh dim and the per-step choices.
 
-    The mesh is ``(dp, fsdp, tp)`` with size-1 dims left out, ``tp`` innermost
-    (neighbouring ranks), named ``"dp"``, ``"fsdp"``, ``"tp"``. The data-parallel mode
-    follows from the degrees: ``dp`` alone is DDP, ``fsdp`` alone FSDP, both HSDP
-    (replicated over ``dp``, sharded over ``fsdp``).
+    The mesh is ``(pp, dp, fsdp, tp)`` with size-1 dims left out, ``tp`` innermost
+    (neighbouring ranks), named ``"pp"``, ``"dp"``, ``"fsdp"``, ``"tp"``. The
+    data-parallel mode follows from the degrees: ``dp`` alone is DDP, ``fsdp`` alone
+    FSDP, both HSDP (replicated over ``dp``, sharded over ``fsdp``). Each field is
+    documented below.
 
-    Args:
-        dp: Replicated data-parallel degree (DDP, or HSDP's replica dim).
-        fsdp: Sharded data-parallel degree (FSDP, or HSDP's shard dim).
-        tp: Tensor-parallel degree (the automatic Megatron plan).
-        pp: Pipeline-parallel degree. Only ``1`` is supported now: the extension point
-            for pipeline stages (the search enumerates it once a pipeline engine exists).
-        sequence_parallel: Keep activations sequence-sharded between TP regions.
-        activation_checkpointing: Recompute each transformer block in backward.
-        micro_batch: Samples per forward/backward on one rank; the per-rank batch is
-            run as ``per_rank_batch // micro_batch`` accumulated micro-batches.
+    A layout with ``pp > 1`` is predicted by `estimate` and ranked by `search` (1F1B
+    schedule, ``global_batch / (dp * fsdp) / micro_batch`` pipeline micro-batches) but
+    not applied by `apply_layout` / ``DModule(strategy="auto")``: build it with
+    `pipeline_parallelize`.
     """
 
     dp: int = 1
+    """Replicated data-parallel degree (DDP, or HSDP's replica dim)."""
     fsdp: int = 1
+    """Sharded data-parallel degree (FSDP, or HSDP's shard dim)."""
     tp: int = 1
+    """Tensor-parallel degree (the automatic Megatron plan)."""
     pp: int = 1
+    """Pipeline-parallel degree: stages of contiguous transformer blocks."""
     sequence_parallel: bool = False
+    """Keep activations sequence-sharded between TP regions."""
     activation_checkpointing: bool = False
+    """Recompute each transformer block in backward."""
     micro_batch: int = 1
+    """Samples per forward/backward on one rank; the per-rank batch is run as
+    ``per_rank_batch // micro_batch`` accumulated micro-batches (pipeline micro-batches
+    with ``pp > 1``)."""
 
     def __post_init__(self) -> None:
         for f in ("dp", "fsdp", "tp", "pp", "micro_batch"):
             v = getattr(self, f)
             if isinstance(v, bool) or not isinstance(v, int) or v < 1:
                 raise ValueError(f"Layout.{f} must be a positive int, got {v!r}")
-        if self.pp != 1:
-            raise NotImplementedError(
-                "Layout.pp > 1: pipeline parallelism is not part of the cost model yet"
-            )
         if self.sequence_parallel and self.tp == 1:
             raise ValueError("Layout: sequence_parallel needs tp > 1")
 
@@ -119,7 +119,7 @@ class Layout:
     @property
     def mesh_dims(self) -> tuple[tuple[str, int], ...]:
         """``((name, size), ...)`` outermost first; a 1-rank layout is ``(("dp", 1),)``."""
-        dims = tuple((n, s) for n, s in (("dp", self.dp), ("fsdp", self.fsdp), ("tp", self.tp)))
+        dims = (("pp", self.pp), ("dp", self.dp), ("fsdp", self.fsdp), ("tp", self.tp))
         kept = tuple((n, s) for n, s in dims if s > 1)
         return kept or (("dp", 1),)
 
@@ -131,13 +131,15 @@ class Layout:
             out["dp"] = "ddp"
         if self.fsdp > 1:
             out["fsdp"] = "fsdp"
-        if not out and self.tp == 1:
+        if not out and self.tp == 1 and self.pp == 1:
             out["dp"] = "ddp"  # one rank: a plain (1-rank) DDP keeps the model a DModule
         return out or None
 
     def describe(self) -> str:
         """A short label, e.g. ``"fsdp2 x tp2 +sp +ac mb4"``."""
         parts = []
+        if self.pp > 1:
+            parts.append(f"pp{self.pp}")
         if self.dp_mode == "hsdp":
             parts.append(f"hsdp{self.dp}x{self.fsdp}")
         elif self.dp > 1:
@@ -171,15 +173,29 @@ class Link:
     latency: float
 
 
+def _interp(table: tuple[tuple[float, float], ...], x: float, default: float) -> float:
+    """``table`` (sorted ``(x, y)`` pairs) interpolated at ``x`` in log-log; flat outside."""
+    if not table:
+        return default
+    pts = sorted(table)
+    if x <= pts[0][0]:
+        return pts[0][1]
+    for (x0, y0), (x1, y1) in zip(pts, pts[1:]):
+        if x <= x1:
+            f = math.log(x / x0) / math.log(x1 / x0)
+            return math.exp(math.log(y0) + f * (math.log(y1) - math.log(y0)))
+    return pts[-1][1]
+
+
 @dataclasses.dataclass(frozen=True)
 class DeviceSpec:
     """Per-device constants of the cost model.
 
     Args:
         memory: Bytes of device memory a rank may use.
-        matmul_flops: Matmul FLOP/s of one device.
+        matmul_flops: Peak matmul FLOP/s of one device.
         copy_bandwidth: Bytes/s that memory-bound ops (elementwise, norms, softmax,
-            optimizer) read plus write.
+            optimizer) read plus write, on large tensors.
         links: Interconnect tiers, innermost first; the last should have ``ranks=0``.
         op_overhead: Host seconds per forward op on plain tensors, its backward
             included (Python, module calls, autograd bookkeeping).
@@ -188,8 +204,19 @@ class DeviceSpec:
         overlap: Fraction (0..1) of the data-parallel communication that runs hidden
             behind compute.
         device_type: ``"cpu"`` or ``"cuda"``: the mesh's device type.
-        matmul_by_size: ``((width, FLOP/s), ...)``: square-matmul throughput by size
-            (small matmuls run below peak); `estimate` uses the model's per-rank width.
+        matmul_by_size: ``((size, FLOP/s), ...)``: square-matmul throughput by size
+            (small matmuls run below peak); a matmul ``(m, k) x (k, n)`` runs at the
+            figure of size ``(m k n) ** (1/3)`` (log-log interpolation).
+        copy_by_size: ``((bytes, bytes/s), ...)``: memory-bound throughput by tensor
+            size (small tensors stay in cache).
+        optimizer_param_overhead: Host seconds per parameter tensor of an optimizer
+            step (AdamW, one tensor at a time) on plain tensors.
+        optimizer_dtensor_param_overhead: The same on DTensor parameters (tensor
+            parallelism, FSDP's sharded parameters).
+        cores: Cores that the ranks of one node share; ``0``: each rank has its own
+            device (GPUs). With more ranks than cores on a node (CPU ranks), compute
+            and host time stretch by ``ranks / cores``.
+        ranks_per_node: Ranks on one node (``0``: all of a layout's ranks).
     """
 
     memory: float
@@ -201,15 +228,29 @@ class DeviceSpec:
     overlap: float = 0.0
     device_type: str = "cpu"
     matmul_by_size: tuple[tuple[int, float], ...] = ()
+    copy_by_size: tuple[tuple[int, float], ...] = ()
+    optimizer_param_overhead: float = 0.0
+    optimizer_dtensor_param_overhead: float = 0.0
+    cores: int = 0
+    ranks_per_node: int = 0
 
-    def flops_at(self, width: int) -> float:
-        """Matmul FLOP/s for matrices about ``width`` wide (``matmul_by_size``, else peak)."""
-        best = self.matmul_flops
-        for size, flops in sorted(self.matmul_by_size):
-            best = flops
-            if size >= width:
-                break
-        return best
+    def flops_at(self, size: float) -> float:
+        """Matmul FLOP/s at square size ``size`` (``matmul_by_size``, else peak)."""
+        return _interp(self.matmul_by_size, max(size, 1.0), self.matmul_flops)
+
+    def copy_at(self, nbytes: float) -> float:
+        """Memory-bound bytes/s on tensors of ``nbytes`` (``copy_by_size``, else the peak)."""
+        return _interp(self.copy_by_size, max(nbytes, 1.0), self.copy_bandwidth)
+
+    def host_share(self, world: int) -> float:
+        """How much slower a rank computes when ``world`` ranks run (CPU oversubscription).
+
+        ``max(1, ranks on a node / cores)``; 1 when ``cores`` is 0 (a device per rank).
+        """
+        if self.cores <= 0:
+            return 1.0
+        local = min(world, self.ranks_per_node) if self.ranks_per_node else world
+        return max(1.0, local / self.cores)
 
     def __post_init__(self) -> None:
         if not self.links:
@@ -219,6 +260,10 @@ class DeviceSpec:
                 raise ValueError(f"DeviceSpec.{f} must be positive, got {getattr(self, f)!r}")
         if not 0.0 <= self.overlap <= 1.0:
             raise ValueError(f"DeviceSpec.overlap must be in [0, 1], got {self.overlap!r}")
+        for f in ("cores", "ranks_per_node"):
+            v = getattr(self, f)
+            if isinstance(v, bool) or not isinstance(v, int) or v < 0:
+                raise ValueError(f"DeviceSpec.{f} must be an int >= 0, got {v!r}")
 
     def link(self, span: int) -> Link:
         """The tier a group spanning ``span`` consecutive ranks uses."""
@@ -240,6 +285,13 @@ class DeviceSpec:
             return 0.0
         lk = self.link(span)
         return (n - 1) / n * nbytes / lk.bandwidth + (n - 1) * lk.latency
+
+    def send(self, nbytes: float, span: int) -> float:
+        """Seconds for a point-to-point send of ``nbytes`` (pipeline stages)."""
+        if nbytes <= 0:
+            return 0.0
+        lk = self.link(span)
+        return nbytes / lk.bandwidth + lk.latency
 
 
 @dataclasses.dataclass
@@ -272,6 +324,13 @@ class ModelProfile:
         n_col_groups: Distinct inputs of column-parallel linears (one input-gradient
             all-reduce each in backward).
         vocab_parallel_embedding: Whether the token embedding is vocabulary-parallel.
+        blocks_name: Qualified name of the blocks' ``nn.ModuleList``.
+        matmuls: One ``(batch, m, k, n, weight, in_block)`` per forward matmul at
+            batch 1: ``batch`` independent ``(m, k) x (k, n)`` products, ``weight``
+            the parameter name of a linear layer's weight (``""`` for a product of
+            two activations, e.g. attention scores), ``in_block`` whether it runs
+            inside a transformer block.
+        ew_count: Non-matmul ops with a floating-point output in one forward.
     """
 
     seq_len: int
@@ -294,6 +353,8 @@ class ModelProfile:
     n_col_groups: int
     vocab_parallel_embedding: bool
     blocks_name: str = ""
+    matmuls: list[tuple[int, int, int, int, str, bool]] = dataclasses.field(default_factory=list)
+    ew_count: int = 0
     model: nn.Module = dataclasses.field(repr=False, default=None)  # type: ignore[assignment]
     plan_model: nn.Module = dataclasses.field(repr=False, default=None)  # type: ignore[assignment]
     _tp_cache: dict = dataclasses.field(repr=False, default_factory=dict)
@@ -524,6 +585,45 @@ def _classify(t: torch.Tensor, hidden: int, vocab: int, tokens: int) -> str:
     return "inner"
 
 
+def _record_matmul(
+    func: Any,
+    args: tuple,
+    kwargs: dict,
+    out: Any,
+    names: dict[int, str],
+    in_block: bool,
+    into: list[tuple[int, int, int, int, str, bool]],
+) -> None:
+    """Append ``(batch, m, k, n, weight name or "", in_block)`` for one matmul call."""
+    if func is F.embedding or func is torch.einsum:
+        return  # a gather; einsum: counted by FLOPs only
+    if func is F.scaled_dot_product_attention:
+        q, k = args[0], args[1]
+        b = q.numel() // (q.shape[-1] * q.shape[-2])
+        t, d, s_ = q.shape[-2], q.shape[-1], k.shape[-2]
+        into += [(b, t, d, s_, "", in_block), (b, t, s_, d, "", in_block)]
+        return
+    if func is F.linear:
+        x = args[0]
+        w = args[1] if len(args) > 1 else kwargs["weight"]
+        k = x.shape[-1]
+        into.append((1, x.numel() // max(k, 1), k, w.shape[0], names.get(id(w), ""), in_block))
+        return
+    if func in (torch.addmm, torch.baddbmm):
+        a, b = args[1], args[2]
+    elif func is torch.Tensor.__rmatmul__:
+        b, a = args[0], args[1]
+    else:
+        a, b = args[0], args[1]
+    if not (isinstance(a, torch.Tensor) and isinstance(b, torch.Tensor)):
+        return
+    if a.ndim < 2 or b.ndim < 2 or not isinstance(out, torch.Tensor):
+        return
+    m, k, n = a.shape[-2], a.shape[-1], b.shape[-1]
+    batch = out.numel() // max(m * n, 1)
+    into.append((batch, m, k, n, names.get(id(b), ""), in_block))
+
+
 def profile_model(
     model: nn.Module,
     seq_len: int,
@@ -620,6 +720,9 @@ def profile_model(
         "block_ew": {"seq": 0.0, "vocab": 0.0, "inner": 0.0},
     }
     ops = [0, 0]
+    ew_count = [0]
+    matmuls: list[tuple[int, int, int, int, str, bool]] = []
+    param_names = {id(p): n for n, p in meta.named_parameters()}
     saved: dict[int, torch.Tensor] = {}
     saved_keys: set[Any] = set()
     col_inputs: set[int] = set()
@@ -663,10 +766,12 @@ def profile_model(
             if in_block:
                 ops[1] += 1
             if func in _MATMUL_FUNCS:
+                _record_matmul(func, args, kwargs, out, param_names, in_block, matmuls)
                 return out
             outs = out if isinstance(out, (tuple, list)) else (out,)
             for t in outs:
                 if isinstance(t, torch.Tensor) and t.is_floating_point():
+                    ew_count[0] += 1
                     cls = _classify(t, hidden, vocab, tokens)
                     cls = "inner" if cls == "gathered" else cls
                     # read the input(s) and write the output: about twice the output
@@ -737,6 +842,8 @@ def profile_model(
         n_col_groups=len(col_inputs),
         vocab_parallel_embedding=vpe,
         blocks_name=blocks_name,
+        matmuls=matmuls,
+        ew_count=ew_count[0],
         model=meta,
         plan_model=_one_block_model(meta, blocks_name, blocks),
     )
@@ -748,17 +855,23 @@ class Estimate:
 
     Attributes:
         layout: The `Layout`.
-        accumulation: Micro-batches per step on each rank.
-        memory: Per-rank bytes: ``params``, ``grads``, ``optimizer``, ``engine``
-            (data-parallel buffers kept between steps: none for vescale's engines),
-            ``activations`` (what autograd
-            keeps from the end of forward to backward: saved tensors, or with
-            checkpointing the blocks' inputs), ``recompute`` (checkpointing: one
-            block's saved tensors while it is recomputed) and ``total``.
+        accumulation: Micro-batches per step on each rank (pipeline micro-batches
+            with ``pp > 1``).
+        memory: Per-rank bytes (the busiest pipeline stage with ``pp > 1``):
+            ``params``, ``grads``, ``optimizer``, ``engine`` (data-parallel buffers
+            kept between steps: none for vescale's engines), ``activations`` (what
+            autograd keeps from the end of forward to backward: saved tensors, or with
+            checkpointing the blocks' inputs; 1F1B keeps up to ``pp`` micro-batches),
+            ``recompute`` (checkpointing: one block's saved tensors while it is
+            recomputed) and ``total``.
         time: Seconds per step: ``compute`` (matmuls), ``memory_bound``,
             ``overhead`` (per-op host time), ``tp_comm``, ``dp_comm`` (all of it),
-            ``dp_exposed`` (not hidden by overlap), ``optimizer`` and ``total``.
+            ``dp_exposed`` (not hidden by overlap), ``optimizer``, ``pp_comm`` (sends
+            between stages), ``pp_bubble`` (the pipeline's idle time) and ``total``.
         fits: ``memory["total"]`` is at most the device memory.
+        traffic: Bytes one rank sends per step: ``pp`` (point-to-point between
+            stages), ``tp``, ``dp`` (ring collectives, ``(n-1)/n`` of the size per
+            all-gather or reduce-scatter, twice that per all-reduce).
     """
 
     layout: Layout
@@ -766,20 +879,74 @@ class Estimate:
     memory: dict[str, float]
     time: dict[str, float]
     fits: bool
+    traffic: dict[str, float] = dataclasses.field(default_factory=dict)
 
     def describe(self) -> str:
         """One line: layout, step time and memory."""
         m, t = self.memory, self.time
+        pp = (
+            f", pp {t['pp_comm'] * 1e3:.1f} + bubble {t['pp_bubble'] * 1e3:.1f}"
+            if self.layout.pp > 1
+            else ""
+        )
         return (
             f"{self.layout.describe():<28} step {t['total'] * 1e3:9.2f} ms "
             f"(compute {t['compute'] * 1e3:.1f}, mem-bound {t['memory_bound'] * 1e3:.1f}, "
             f"overhead {t['overhead'] * 1e3:.1f}, tp {t['tp_comm'] * 1e3:.1f}, "
             f"dp {t['dp_exposed'] * 1e3:.1f}/{t['dp_comm'] * 1e3:.1f}, "
-            f"optim {t['optimizer'] * 1e3:.1f})  memory {m['total'] / 2**20:9.1f} MiB "
+            f"optim {t['optimizer'] * 1e3:.1f}{pp})  memory {m['total'] / 2**20:9.1f} MiB "
             f"(state {(m['params'] + m['grads'] + m['optimizer']) / 2**20:.1f}, "
             f"act {m['activations'] / 2**20:.1f}, engine {m['engine'] / 2**20:.1f})"
             + ("" if self.fits else "  DOES NOT FIT")
+            + ("  (predicted only: apply with pipeline_parallelize)" if self.layout.pp > 1 else "")
         )
+
+
+def _state_split(profile: ModelProfile, tp: int, fsdp: bool) -> dict[str, tuple[float, ...]]:
+    """``{"block": sums, "outside": sums}`` of `ModelProfile.tp_local_sums` (one tp rank)."""
+    key = ("split", tp, fsdp)
+    if key not in profile._tp_cache:
+        sharded = profile.tp_sharded(tp, fsdp)
+        prefix = profile.blocks_name + "." if profile.blocks_name else None
+        out = {"block": [0.0] * 4, "outside": [0.0] * 4}
+        for name, numel, elt, trainable in profile.params:
+            part = out["block" if prefix and name.startswith(prefix) else "outside"]
+            local = numel / tp if sharded.get(name) else numel
+            part[0] += local * elt
+            part[3] += local
+            if trainable:
+                part[1] += local * elt
+                part[2] += local
+        profile._tp_cache[key] = {k: tuple(v) for k, v in out.items()}
+    return profile._tp_cache[key]
+
+
+def _matmul_seconds(
+    profile: ModelProfile, device: DeviceSpec, tp: int, mb: int, fsdp: bool
+) -> tuple[float, float]:
+    """``(forward + backward of every matmul, forward of the blocks' matmuls)`` in
+    seconds for one micro-batch on one rank, each matmul at the throughput of its size."""
+    key = ("mm", tp, mb, fsdp, device.matmul_by_size, device.matmul_flops)
+    if key in profile._tp_cache:
+        return profile._tp_cache[key]
+    sharded = profile.tp_sharded(tp, fsdp)
+    total = block = recorded = 0.0
+    for b, m, k, n, w, inb in profile.matmuls:
+        f1 = 2.0 * b * m * k * n
+        recorded += f1
+        div = tp if (sharded.get(w, False) if w else inb) else 1
+        # a linear's rows grow with the micro-batch; a batched product's count does
+        size = (m * mb * k * n / div) ** (1 / 3) if w else (m * k * n) ** (1 / 3)
+        t = f1 * mb / div / device.flops_at(size)
+        total += 3.0 * t  # backward: two products of the same three sizes
+        if inb:
+            block += t
+    rest = max(profile.fwd_flops - recorded, 0.0)  # products not recorded (einsum)
+    if rest:
+        t = rest * mb / tp / device.flops_at(max(profile.hidden / tp, 1.0))
+        total += 3.0 * t
+    profile._tp_cache[key] = (total, block)
+    return total, block
 
 
 def estimate(
@@ -790,6 +957,7 @@ def estimate(
     *,
     optimizer_state_per_param: float = 2.0,
     optimizer_bytes_per_element: float = 28.0,
+    ddp_bucket_bytes: float = 25 * 2**20,
 ) -> Estimate:
     """Predict per-rank memory and step time of ``layout``.
 
@@ -803,9 +971,11 @@ def estimate(
             tensors (Adam/AdamW: 2; SGD with momentum: 1).
         optimizer_bytes_per_element: Bytes the optimizer step reads and writes per
             parameter element (AdamW in fp32: 28).
+        ddp_bucket_bytes: DDP's gradient bucket size (one all-reduce per bucket).
 
     Raises:
-        ValueError: ``global_batch`` does not divide as required.
+        ValueError: ``global_batch`` does not divide as required, or ``pp`` exceeds
+            the transformer blocks.
     """
     lay = layout
     if global_batch % (lay.dp_degree * lay.micro_batch):
@@ -813,20 +983,30 @@ def estimate(
             f"global_batch {global_batch} does not divide by dp*fsdp ({lay.dp_degree}) x "
             f"micro_batch ({lay.micro_batch})"
         )
+    pp = lay.pp
+    if pp > 1 and pp > profile.n_blocks:
+        raise ValueError(
+            f"Layout.pp {pp}: the model has {profile.n_blocks} transformer block(s) to split"
+        )
     accum = global_batch // (lay.dp_degree * lay.micro_batch)
     tp, mb, sp = lay.tp, lay.micro_batch, lay.sequence_parallel
     fsdp_on = lay.fsdp > 1
+    ac = lay.activation_checkpointing and profile.n_blocks > 0
+    elt = profile.params[0][2] if profile.params else 4
+    # a pipeline stage holds 1/pp of the blocks; the busiest stage also everything
+    # outside them (embeddings on the first, final norm, head and loss on the last)
+    wb = 1.0 / pp
 
     # ---- per-rank state
-    tp_p_bytes, tp_g_bytes, tp_n_train, tp_numel = profile.tp_local_sums(tp, fsdp_on)
-    p_bytes = tp_p_bytes / lay.fsdp
-    g_bytes = tp_g_bytes / lay.fsdp
-    n_local = tp_n_train / lay.fsdp
+    split = _state_split(profile, tp, fsdp_on)
+    blk, out_ = split["block"], split["outside"]
+    p_bytes = (blk[0] * wb + out_[0]) / lay.fsdp
+    g_bytes = (blk[1] * wb + out_[1]) / lay.fsdp
+    n_local = (blk[2] * wb + out_[2]) / lay.fsdp
     opt_bytes = g_bytes * optimizer_state_per_param
     # FSDP reshards every group, the root included, after backward (measured: no
     # unsharded buffer is left between steps); DDP's buckets are the gradients
     engine = 0.0
-    elt = profile.params[0][2] if profile.params else 4
 
     # ---- activations (per micro-batch, per rank)
     a, ba = profile.act, profile.block_act
@@ -836,15 +1016,20 @@ def estimate(
         return part["seq"] / seq_div + part["gathered"] + part["vocab"] + part["inner"] / tp
 
     full = act_bytes(a)
+    blocks_act = act_bytes(ba)
+    outside = full - blocks_act
     recompute = 0.0
-    if lay.activation_checkpointing and profile.n_blocks:
-        blocks_act = act_bytes(ba)
-        outside = full - blocks_act
+    if ac:
         recompute = blocks_act / profile.n_blocks * mb  # one block, during its backward
-        acts = outside + profile.n_blocks * profile.block_input_bytes / seq_div
+        kept_blocks = profile.n_blocks * profile.block_input_bytes / seq_div
     else:
-        acts = full
-    acts *= mb
+        kept_blocks = blocks_act
+    if pp > 1:
+        # 1F1B: the first stage keeps min(m, pp) micro-batches of its blocks, the last
+        # one micro-batch of its blocks and the head
+        acts = max(min(accum, pp) * kept_blocks * wb, kept_blocks * wb + outside) * mb
+    else:
+        acts = (kept_blocks + outside) * mb
 
     memory = {
         "params": p_bytes,
@@ -856,74 +1041,131 @@ def estimate(
     }
     memory["total"] = sum(memory.values())
 
-    # ---- time of one micro-batch
-    ac = lay.activation_checkpointing and profile.n_blocks > 0
-    flops = (profile.fwd_flops + profile.bwd_flops + (profile.block_fwd_flops if ac else 0.0)) * mb
-    compute = flops / tp / device.flops_at(max(profile.hidden // tp, 1))
+    # ---- time of one micro-batch: (inside the blocks, outside them)
+    share = device.host_share(lay.world)
+    mm_all, mm_block_fwd = _matmul_seconds(profile, device, tp, mb, fsdp_on)
+    mm_block = 3.0 * mm_block_fwd + (mm_block_fwd if ac else 0.0)
+    compute = (mm_block, mm_all - 3.0 * mm_block_fwd)
     ew, bew = profile.ew_bytes, profile.block_ew_bytes
 
     def ew_part(part: dict[str, float]) -> float:
         return part["seq"] / seq_div + part["vocab"] + part["inner"] / tp
 
-    ew_total = 3.0 * ew_part(ew) + (ew_part(bew) if ac else 0.0)  # backward ~ 2x forward
-    memory_bound = ew_total * mb / device.copy_bandwidth
+    bw = device.copy_at(ew_part(ew) * mb / max(profile.ew_count, 1))
+    ew_b = ew_part(bew)
+    memory_bound = (
+        (3.0 * ew_b + (ew_b if ac else 0.0)) * mb / bw,
+        3.0 * (ew_part(ew) - ew_b) * mb / bw,  # backward ~ 2x forward
+    )
     per_op = device.dtensor_op_overhead if tp > 1 else device.op_overhead
-    n_ops = profile.n_ops + (profile.block_ops / 2 if ac else 0)
-    overhead = n_ops * per_op
+    overhead = (
+        (profile.block_ops * (1.5 if ac else 1.0)) * per_op,  # recompute: forward only
+        (profile.n_ops - profile.block_ops) * per_op,
+    )
 
-    tp_comm = 0.0
+    tp_block = tp_out = 0.0
+    tp_bytes = 0.0
     if tp > 1:
         act_b = mb * profile.seq_len * profile.hidden * elt
-        n_fwd = profile.n_row * (2 if ac else 1) + (1 if profile.vocab_parallel_embedding else 0)
+        n_fwd = profile.n_row * (2 if ac else 1)
         n_bwd = profile.n_col_groups
-        tp_comm = (n_fwd + n_bwd) * device.all_reduce(act_b, tp, tp)
+        tp_block = (n_fwd + n_bwd) * device.all_reduce(act_b, tp, tp)
         logits = mb * profile.seq_len * profile.vocab * elt
-        tp_comm += device.all_gather(logits, tp, tp)  # lm_head output gathered
+        vpe = 1 if profile.vocab_parallel_embedding else 0
+        tp_out = vpe * device.all_reduce(act_b, tp, tp) + device.all_gather(logits, tp, tp)
+        ring = (tp - 1) / tp
+        tp_bytes = ((n_fwd + n_bwd + vpe) * 2 * act_b + logits) * ring * accum
+    tp_comm = (tp_block, tp_out)
 
-    # ---- data-parallel communication
+    def stage(part: tuple[float, float]) -> float:
+        return part[0] * wb + part[1]
+
+    # ---- pipeline: the busiest stage runs m + pp - 1 slots (1F1B), each with a send
+    # of the boundary activations forward and of their gradient backward
+    pp_p2p = pp_bytes = 0.0
+    if pp > 1:
+        boundary = mb * profile.seq_len * profile.hidden * elt
+        span = lay.world // pp
+        pp_p2p = 2 * device.send(boundary, span + 1)
+        pp_bytes = 2 * boundary * accum
+
+    # ---- data-parallel communication (the stage's parameters), per collective call:
+    # FSDP one all-gather in forward, one in backward and a reduce-scatter per group
+    # (each block and the root); DDP one all-reduce per bucket
     grad_tp_local = g_bytes * lay.fsdp  # trainable bytes of this tp rank, unsharded
     param_tp_local = p_bytes * lay.fsdp
-    dp_per_step = 0.0
-    dp_per_micro = 0.0
+    dp_per_step = dp_per_micro = dp_bytes = 0.0
     if fsdp_on:
-        # FSDP/HSDP gather and reduce every micro-batch (no no_sync)
+        n = lay.fsdp
         span = lay.fsdp * tp
-        ag = device.all_gather(param_tp_local, lay.fsdp, span)
-        rs = device.all_gather(grad_tp_local, lay.fsdp, span)
+        groups = max(1, round(profile.n_blocks * wb)) + 1
+        lk = device.link(span)
+        ag = (n - 1) / n * param_tp_local / lk.bandwidth + groups * (n - 1) * lk.latency
+        rs = (n - 1) / n * grad_tp_local / lk.bandwidth + groups * (n - 1) * lk.latency
         dp_per_micro = 2 * ag + rs
+        dp_bytes = (n - 1) / n * (2 * param_tp_local + grad_tp_local) * accum
         if lay.dp > 1:
             dp_per_micro += device.all_reduce(g_bytes, lay.dp, lay.world)
+            dp_bytes += 2 * (lay.dp - 1) / lay.dp * g_bytes * accum
     elif lay.dp > 1:
-        dp_per_step += device.all_reduce(grad_tp_local, lay.dp, lay.world)
+        n = lay.dp
+        lk = device.link(lay.world)
+        buckets = max(1, math.ceil(grad_tp_local / ddp_bucket_bytes))
+        dp_per_step = device.all_reduce(grad_tp_local, n, lay.world) + (
+            (buckets - 1) * 2 * (n - 1) * lk.latency
+        )
+        dp_bytes = 2 * (n - 1) / n * grad_tp_local
 
-    micro = compute + memory_bound + overhead + tp_comm
+    micro_host = (stage(compute) + stage(memory_bound) + stage(overhead)) * share
+    micro = micro_host + stage(tp_comm)
     dp_comm = dp_per_step + accum * dp_per_micro
     hidden_by = device.overlap * accum * micro
     dp_exposed = max(dp_comm - hidden_by, 0.0) if dp_comm else 0.0
     n_param_tensors = len(profile.params)
-    optimizer = (
-        n_local * optimizer_bytes_per_element / device.copy_bandwidth
-        + n_param_tensors * (device.dtensor_op_overhead if tp > 1 else device.op_overhead) / 2
+    if pp > 1:
+        n_blk = sum(1 for n_, *_ in profile.params if n_.startswith(profile.blocks_name + "."))
+        n_param_tensors = round(n_blk * wb) + (len(profile.params) - n_blk)
+    dtensor_params = tp > 1 or fsdp_on
+    per_param = (
+        device.optimizer_dtensor_param_overhead
+        if dtensor_params
+        else device.optimizer_param_overhead
     )
+    optimizer = (
+        n_local * optimizer_bytes_per_element / device.copy_bandwidth + n_param_tensors * per_param
+    ) * share
     t = {
-        "compute": accum * compute,
-        "memory_bound": accum * memory_bound,
-        "overhead": accum * overhead,
-        "tp_comm": accum * tp_comm,
+        "compute": accum * stage(compute) * share,
+        "memory_bound": accum * stage(memory_bound) * share,
+        "overhead": accum * stage(overhead) * share,
+        "tp_comm": accum * stage(tp_comm),
         "dp_comm": dp_comm,
         "dp_exposed": dp_exposed,
         "optimizer": optimizer,
+        "pp_comm": accum * pp_p2p,
+        "pp_bubble": (pp - 1) * (micro + pp_p2p),
     }
     t["total"] = (
-        t["compute"] + t["memory_bound"] + t["overhead"] + t["tp_comm"] + dp_exposed + optimizer
+        t["compute"]
+        + t["memory_bound"]
+        + t["overhead"]
+        + t["tp_comm"]
+        + dp_exposed
+        + optimizer
+        + t["pp_comm"]
+        + t["pp_bubble"]
     )
-    return Estimate(lay, accum, memory, t, memory["total"] <= device.memory)
+    traffic = {"pp": pp_bytes, "tp": tp_bytes, "dp": dp_bytes}
+    return Estimate(lay, accum, memory, t, memory["total"] <= device.memory, traffic)
 
 
-def _timed(fn: Callable[[], Any], reps: int) -> float:
-    fn()
+def _timed(fn: Callable[[], Any], reps: int, repeats: int = 5) -> float:
+    """Seconds per call of ``fn``: the fastest of ``repeats`` batches of ``reps`` calls
+    after a warm-up batch (the minimum filters out time lost to other processes)."""
+    for _ in range(reps):
+        fn()
     best = math.inf
-    for _ in range(3):
+    for _ in range(repeats):
         t0 = time.perf_counter()
         for _ in range(reps):
             fn()
@@ -931,35 +1173,73 @@ def _timed(fn: Callable[[], Any], reps: int) -> float:
     return best
 
 
+def _host_cores() -> int:
+    """CPU cores this process may run on (its affinity mask, else ``os.cpu_count``)."""
+    import os
+
+    try:
+        return len(os.sched_getaffinity(0))
+    except AttributeError:  # not Linux
+        return os.cpu_count() or 1
+
+
+def _adamw_step_time(params: list[torch.Tensor], sync: Callable[[], None]) -> float:
+    """Seconds per parameter tensor of one AdamW step (one tensor at a time)."""
+    for p in params:
+        p.grad = torch.zeros_like(p)
+    opt = torch.optim.AdamW(params, lr=1e-3, foreach=False)
+
+    def step() -> None:
+        opt.step()
+        sync()
+
+    return _timed(step, 3) / len(params)
+
+
 def probe_device(
     memory: float | None = None,
     *,
     group: Any = None,
-    matmul_sizes: tuple[int, ...] = (64, 128, 256, 512, 1024),
+    matmul_sizes: tuple[int, ...] = (32, 64, 128, 256, 512, 1024),
+    copy_sizes: tuple[int, ...] = (2**16, 2**20),
     copy_mb: float = 32.0,
     collective_mb: float = 8.0,
     overlap: float | None = None,
+    repeats: int = 5,
 ) -> DeviceSpec:
-    """Measure the device constants on this process group (a collective; ~1-3 s).
+    """Measure the device constants on this process group (a collective; ~2-5 s).
 
-    Every rank measures matmul FLOP/s, copy bandwidth and per-op overheads (plain and
-    DTensor) on its own device, and the ring all-reduce bandwidth and latency of the
-    whole group; the slowest rank's figures are kept (an all-reduce of the timings),
-    so every rank returns the same `DeviceSpec` and a search over it picks the same
-    layout everywhere. Without a process group, only the local figures are measured
-    and the collective tier is a placeholder that no 1-rank layout uses.
+    Measured: matmul FLOP/s by square size, memory-bound bandwidth by tensor size, the
+    host time per op of a chain of small layers (forward and backward) on plain tensors
+    and on DTensors, the time per parameter tensor of an AdamW step (plain and
+    DTensor), and the ring all-reduce bandwidth and latency of the whole group. Every
+    figure is the fastest of ``repeats`` timed batches after a warm-up, so time lost to
+    other processes on a shared machine does not enter.
+
+    On CPU, when the ranks of a node share its cores, one rank measures the per-device
+    figures while the others wait (alone, as a rank that has a core to itself), and
+    `DeviceSpec.cores` / ``ranks_per_node`` tell `estimate` how much running all
+    ranks at once stretches them. On GPUs every rank measures its own device and the
+    slowest rank's figures are kept. Either way every rank returns the same
+    `DeviceSpec`, so a search over it picks the same layout everywhere. Without a
+    process group only the local figures are measured and the collective tier is a
+    placeholder that no 1-rank layout uses.
 
     Args:
         memory: Bytes per device; default: the CUDA device's total memory, or the
             machine's memory divided by the ranks on it (CPU).
         group: The process group (default: the world).
         matmul_sizes: Square matmul sizes for the FLOP/s figures.
-        copy_mb: Tensor size for the copy bandwidth.
+        copy_sizes: Tensor sizes in bytes for the small-tensor bandwidth figures.
+        copy_mb: Tensor size for the large-tensor copy bandwidth.
         collective_mb: All-reduce size for the bandwidth (latency uses 4 bytes).
         overlap: Fraction of data-parallel communication hidden by compute; default
             ``0.0`` on CPU (gloo runs its collectives on the cores that compute) and
             ``0.8`` on CUDA.
+        repeats: Timed batches per figure (the fastest is kept).
     """
+    import os
+
     import torch.distributed as dist
 
     on = dist.is_available() and dist.is_initialized()
@@ -969,39 +1249,20 @@ def probe_device(
     )
     dev = torch.device("cuda", torch.cuda.current_device()) if cuda else torch.device("cpu")
     sync = torch.cuda.synchronize if cuda else (lambda: None)
+    local_ranks = int(os.environ.get("LOCAL_WORLD_SIZE", world))
+    cores = 0 if cuda else _host_cores()
+    # CPU ranks sharing cores take no turns here: rank 0 measures alone
+    turns = on and world > 1 and not cuda
+    me = not turns or dist.get_rank(group) == 0
 
-    by_size = []
-    for size in matmul_sizes:
-        a = torch.randn(size, size, device=dev)
-        b = torch.randn(size, size, device=dev)
-
-        def mm(a: torch.Tensor = a, b: torch.Tensor = b) -> None:
-            torch.mm(a, b)
-            sync()
-
-        by_size.append((size, 2 * size**3 / _timed(mm, max(2, 2**24 // size**2))))
-    flops = max(f for _, f in by_size)
-    n = int(copy_mb * 2**20 / 4)
-    x = torch.randn(n, device=dev)
-    y = torch.empty_like(x)
-
-    def cp() -> None:
-        torch.add(x, 1.0, out=y)
-        sync()
-
-    copy_bw = 2 * n * 4 / _timed(cp, 3)
-    # host overhead per op (forward + its backward): a chain of tiny layers
+    # models for the host-overhead figures: a chain of small layers
     depth = 16
     chain = nn.Sequential(*(m for _ in range(depth) for m in (nn.Linear(8, 8), nn.GELU()))).to(dev)
     inp = torch.randn(4, 8, device=dev)
     n_ops = 2 * depth + 1
-
-    def step(model: nn.Module = chain, x: torch.Tensor = inp) -> None:
-        model(x).sum().backward()
-        sync()
-
-    t_op = _timed(step, 5) / n_ops
-    t_dop = t_op
+    opt_params = [torch.randn(8, 8, device=dev) for _ in range(32)]
+    dchain = dinp = None
+    dparams: list[torch.Tensor] = []
     if on:
         from torch.distributed.device_mesh import init_device_mesh
         from torch.distributed.tensor import distribute_module, distribute_tensor
@@ -1009,15 +1270,51 @@ def probe_device(
         mesh = init_device_mesh(dev.type, (world,))
         dchain = distribute_module(copy.deepcopy(chain), mesh)
         dinp = distribute_tensor(inp, mesh, [Replicate()])
+        dparams = [distribute_tensor(p, mesh, [Replicate()]) for p in opt_params]
 
-        def dstep() -> None:
-            step(dchain, dinp)
+    def step(model: nn.Module, x: torch.Tensor) -> None:
+        model(x).sum().backward()
+        sync()
 
-        t_dop = _timed(dstep, 3) / n_ops
-    figures = torch.tensor(
-        [flops, copy_bw, -t_op, -t_dop, *(f for _, f in by_size)], dtype=torch.float64
-    )
-    k = len(by_size)
+    figures: list[float] = []
+    by_size: list[tuple[int, float]] = []
+    copies: list[tuple[int, float]] = []
+    if turns:
+        dist.barrier(group=group)
+    if me:
+        for size in matmul_sizes:
+            a = torch.randn(size, size, device=dev)
+            b = torch.randn(size, size, device=dev)
+
+            def mm(a: torch.Tensor = a, b: torch.Tensor = b) -> None:
+                torch.mm(a, b)
+                sync()
+
+            t = _timed(mm, max(2, 2**22 // size**2), repeats)
+            by_size.append((size, 2 * size**3 / t))
+        for nbytes in (*copy_sizes, int(copy_mb * 2**20)):
+            n = max(nbytes // 4, 1)
+            x = torch.randn(n, device=dev)
+            y = torch.empty_like(x)
+
+            def cp(x: torch.Tensor = x, y: torch.Tensor = y) -> None:
+                torch.add(x, 1.0, out=y)
+                sync()
+
+            t = _timed(cp, max(3, 2**22 // nbytes), repeats)
+            copies.append((n * 4, 2 * n * 4 / t))
+        t_op = _timed(lambda: step(chain, inp), 5, repeats) / n_ops
+        t_dop = t_op
+        if dchain is not None:
+            t_dop = _timed(lambda: step(dchain, dinp), 3, repeats) / n_ops
+        t_opt = _adamw_step_time(opt_params, sync)
+        t_dopt = _adamw_step_time(dparams, sync) if dparams else t_opt
+        figures = [*(f for _, f in by_size), *(b for _, b in copies), t_op, t_dop, t_opt, t_dopt]
+    else:
+        by_size = [(s, 0.0) for s in matmul_sizes]
+        copies = [(max(n // 4, 1) * 4, 0.0) for n in (*copy_sizes, int(copy_mb * 2**20))]
+        figures = [0.0] * (len(by_size) + len(copies) + 4)
+    k, c = len(by_size), len(copies)
     bw, lat = 1e12, 0.0
     if on and world > 1:
         big = torch.ones(int(collective_mb * 2**20 / 4), device=dev)
@@ -1031,38 +1328,50 @@ def probe_device(
             return f
 
         dist.barrier(group=group)
-        t_small = _timed(ar(small), 20)
-        t_big = _timed(ar(big), 2)
+        t_small = _timed(ar(small), 20, repeats)
+        t_big = _timed(ar(big), 2, repeats)
         lat = t_small / (2 * (world - 1))
         nbytes = big.numel() * 4
         bw = 2 * (world - 1) / world * nbytes / max(t_big - 2 * (world - 1) * lat, 1e-9)
-        figures = torch.cat([figures, torch.tensor([bw, -lat], dtype=torch.float64)])
-        f = figures.to(dev)
-        dist.all_reduce(f, op=dist.ReduceOp.MIN, group=group)  # slowest rank's figures
-        figures = f.cpu()
-        bw, lat = float(figures[4 + k]), -float(figures[5 + k])
-    elif on:
-        f = figures.to(dev)
-        dist.all_reduce(f, op=dist.ReduceOp.MIN, group=group)
-        figures = f.cpu()
+    if on:
+        # rates as they are, times negated: MIN keeps the slowest rank's figures
+        vals = [*figures[: k + c], *(-x for x in figures[k + c :]), bw, -lat]
+        f = torch.tensor(vals, dtype=torch.float64, device=dev)
+        if turns:
+            src = 0 if group is None else dist.get_global_rank(group, 0)
+            # rank 0's per-device figures; the collective figures of the slowest rank
+            coll = f[-2:].clone()
+            dist.all_reduce(coll, op=dist.ReduceOp.MIN, group=group)
+            dist.broadcast(f, src=src, group=group)
+            f[-2:] = coll
+        else:
+            dist.all_reduce(f, op=dist.ReduceOp.MIN, group=group)
+        vals = f.cpu().tolist()
+        figures = [*vals[: k + c], *(-x for x in vals[k + c : -2])]
+        bw, lat = vals[-2], -vals[-1]
+    by_size = [(s, figures[i]) for i, (s, _) in enumerate(by_size)]
+    copies = [(s, figures[k + i]) for i, (s, _) in enumerate(copies)]
+    t_op, t_dop, t_opt, t_dopt = figures[k + c : k + c + 4]
     if memory is None:
         if cuda:
             memory = float(torch.cuda.get_device_properties(dev).total_memory)
         else:
-            import os
-
-            local = int(os.environ.get("LOCAL_WORLD_SIZE", world))
-            memory = float(os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")) / local
+            memory = float(os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")) / local_ranks
     return DeviceSpec(
         memory=memory,
-        matmul_flops=float(figures[0]),
-        copy_bandwidth=float(figures[1]),
+        matmul_flops=max(f for _, f in by_size),
+        copy_bandwidth=copies[-1][1],
         links=(Link(0, bw, lat),),
-        op_overhead=-float(figures[2]),
-        dtensor_op_overhead=-float(figures[3]),
+        op_overhead=t_op,
+        dtensor_op_overhead=t_dop,
         overlap=(0.8 if cuda else 0.0) if overlap is None else overlap,
         device_type=dev.type,
-        matmul_by_size=tuple((s, float(figures[4 + i])) for i, (s, _) in enumerate(by_size)),
+        matmul_by_size=tuple(by_size),
+        copy_by_size=tuple(copies),
+        optimizer_param_overhead=t_opt,
+        optimizer_dtensor_param_overhead=t_dopt,
+        cores=cores,
+        ranks_per_node=local_ranks if not cuda else 0,
     )
 
 

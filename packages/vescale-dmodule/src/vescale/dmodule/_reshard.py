@@ -9,6 +9,14 @@ all-gather over the ranks that shard it) and a local cut to the new placements
 dicts are torch's (``torch.distributed.checkpoint.state_dict``), keyed by parameter
 name, the same ones `vescale.checkpoint` saves, so the result equals a checkpoint
 saved under the old layout and loaded under the new one. No files are written.
+
+A `vescale.optim.DistributedOptimizer` (ZeRO) moves too: its sharded state is
+gathered per tensor (``full_tensor()`` of its ``RaggedShard`` DTensors) and the new
+ZeRO optimizer, built on the new mesh with the same inner class, hyperparameters and
+options, cuts its own slices from it. ZeRO reduces the gradients itself, so the new
+model gets no DDP engine (``data_parallel=None``), and the target must keep a
+replicated ``"dp"`` dim to shard the state over: a target with FSDP or without a
+``"dp"`` dim is refused before any communication (or pass ``optimizer_fn``).
 """
 
 from __future__ import annotations
@@ -63,6 +71,32 @@ def _like(full: Any, like: Any, key: str) -> Any:
     return full.to(like.device)
 
 
+def _zero_dp_dim(optimizer: Any, target: Layout, optimizer_fn: Any) -> str | None:
+    """The dp dim name of a `DistributedOptimizer` that `reshard` rebuilds (``None``
+    for other optimizers or with ``optimizer_fn``); refuses targets it cannot shard over."""
+    from vescale.optim import DistributedOptimizer
+
+    if not isinstance(optimizer, DistributedOptimizer) or optimizer_fn is not None:
+        return None
+    names = optimizer.mesh.mesh_dim_names
+    dp_name = names[optimizer.dp_dim] if names else None
+    dims = dict(target.mesh_dims)
+    why = None
+    if dp_name != "dp":
+        why = f"its dp dim is {dp_name!r}, not the layouts' 'dp'"
+    elif target.fsdp > 1 or target.pp > 1:
+        why = "the target shards parameters over 'fsdp' or splits them into pipeline stages"
+    elif dims.get("dp", 1) <= 1:
+        why = "the target has no 'dp' dim (dp=1) to shard the optimizer state over"
+    if why:
+        raise ReshardError(
+            f"reshard: cannot move a DistributedOptimizer (ZeRO) to {target.describe()}: "
+            f"{why}. Choose a target with dp > 1 and fsdp = 1 (e.g. Layout(dp=2, tp=2)), or "
+            "pass optimizer_fn=<builds the new optimizer> (its state is loaded by name)"
+        )
+    return dp_name
+
+
 def _sync_rng() -> None:
     """Every rank's default generators take rank 0's state (as a checkpoint resume does)."""
     if not (dist.is_initialized() and dist.get_world_size() > 1):
@@ -106,8 +140,10 @@ def reshard(
         model_fn: Builds the plain model again (any device, meta included); needed
             when the model was parallelized without a recorded layout.
         optimizer_fn: ``fn(new_model) -> optimizer``; default: the optimizer's class
-            with its ``defaults`` and its groups' hyperparameters. Needed for
-            optimizers whose constructor takes more than parameter groups.
+            with its ``defaults`` and its groups' hyperparameters (a
+            `DistributedOptimizer`: the same inner class, options and dp dim on the
+            new mesh). Needed for other optimizers whose constructor takes more than
+            parameter groups.
         sync_rng: Give every rank rank 0's generator state.
         **auto: Keywords of the ``"auto"`` search.
 
@@ -117,19 +153,24 @@ def reshard(
     Raises:
         ReshardError: No recorded skeleton and no ``model_fn``; state keys or shapes
             differ between the layouts; the optimizer holds parameters that are not
-            the model's. Raised before any communication where possible.
+            the model's; a `DistributedOptimizer` and a target without a replicated
+            ``"dp"`` dim. Raised before any communication where possible.
     """
+    from vescale.optim import DistributedOptimizer
+
     rec = _skeleton(model)
     if rec is None and model_fn is None:
         raise ReshardError(
             f"reshard: {type(model).__qualname__} was not parallelized by apply_layout or "
             "DModule(..., strategy=...); pass model_fn=<builds the plain model>"
         )
+    zero = isinstance(optimizer, DistributedOptimizer)
     if optimizer is not None:
         ids = {id(p) for p in model.parameters()}
-        stray = [
-            i for g in optimizer.param_groups for i, p in enumerate(g["params"]) if id(p) not in ids
-        ]
+        held = (
+            optimizer.params if zero else [p for g in optimizer.param_groups for p in g["params"]]
+        )
+        stray = [p for p in held if id(p) not in ids]
         if stray:
             raise ReshardError(
                 f"reshard: the optimizer holds {len(stray)} parameter(s) that are not the model's"
@@ -138,6 +179,8 @@ def reshard(
         if target != "auto":
             raise ReshardError(f"reshard: target must be a Layout or 'auto', got {target!r}")
         base = rec[0] if rec is not None else model_fn()  # type: ignore[misc]
+        if zero and optimizer_fn is None:
+            auto.setdefault("allow", {"dp_modes": {"ddp"}})  # ZeRO shards over "dp"
         target = choose(base, **auto).layout
     elif not isinstance(target, Layout):
         raise ReshardError(
@@ -146,11 +189,15 @@ def reshard(
     elif auto:
         raise TypeError(f"reshard: unexpected keyword(s) {sorted(auto)} with a Layout target")
 
+    dp_name = _zero_dp_dim(optimizer, target, optimizer_fn)
     if rec is not None:
         skeleton, options = copy.deepcopy(rec[0]), dict(rec[1])
     else:
         skeleton, options = model_fn(), {}  # type: ignore[misc]
     options["param_init_fn"] = _no_init
+    if dp_name is not None:
+        options["data_parallel"] = None  # ZeRO reduces the gradients itself
+        optimizer.wait_param_gather()
     new = apply_layout(skeleton, target, **options)
 
     # ---- parameters and buffers, one tensor at a time
@@ -167,7 +214,7 @@ def reshard(
 
     new_opt = None
     if optimizer is not None:
-        old_osd = get_optimizer_state_dict(model, optimizer)
+        old_osd = optimizer.state_dict() if zero else get_optimizer_state_dict(model, optimizer)
         if optimizer_fn is not None:
             new_opt = optimizer_fn(new)
         else:
@@ -177,9 +224,28 @@ def reshard(
                 hyper = {k: v for k, v in g.items() if k != "params"}
                 groups.append({**hyper, "params": [named[n] for n in g["params"]]})
             # the groups carry every hyperparameter; the constructor gets the defaults it takes
-            accepted = inspect.signature(type(optimizer)).parameters
+            cls = optimizer.optimizer_cls if dp_name is not None else type(optimizer)
+            accepted = inspect.signature(cls).parameters
             kwargs = {k: v for k, v in optimizer.defaults.items() if k in accepted}
-            new_opt = type(optimizer)(groups, **kwargs)
+            if dp_name is not None:
+                mesh = next(p.device_mesh for p in new.parameters() if isinstance(p, DTensor))
+                new_opt = DistributedOptimizer(
+                    groups,
+                    cls,
+                    mesh=mesh,
+                    dp_dim=dp_name,
+                    model=new,
+                    master_dtype=optimizer.master_dtype,
+                    grad_reduce_dtype=optimizer.grad_reduce_dtype,
+                    clip_grad_norm=optimizer.clip_grad_norm,
+                    norm_type=optimizer.norm_type,
+                    zero_stage=optimizer.zero_stage,
+                    overlap_param_gather=optimizer.overlap_param_gather,
+                    bucket_cap_mb=optimizer.bucket_cap_mb,
+                    **kwargs,
+                )
+            else:
+                new_opt = type(optimizer)(groups, **kwargs)
         params = dict(new.named_parameters())
         state = {}
         for name, st in old_osd["state"].items():
@@ -187,7 +253,9 @@ def reshard(
             entry = {}
             for k, v in st.items():
                 full = _full(v)
-                if isinstance(full, torch.Tensor) and p is not None and full.shape == p.shape:
+                if isinstance(new_opt, DistributedOptimizer):
+                    entry[k] = full  # it cuts its slice of a full tensor locally
+                elif isinstance(full, torch.Tensor) and p is not None and full.shape == p.shape:
                     entry[k] = _like(full, p, f"{name}.{k}")
                 else:
                     entry[k] = full  # step counters and other scalars

@@ -1,10 +1,12 @@
 """Search over parallel layouts and ``DModule(model, strategy="auto", ...)``.
 
 `search` enumerates every layout of a world size (each factorization into
-``dp x fsdp x tp``, sequence parallelism on/off, activation checkpointing on/off and
-each micro-batch size that divides the per-rank batch), predicts each with
-`vescale.dmodule.estimate`, keeps those that fit the device memory and ranks them by
-predicted step time. `apply_layout` builds the mesh and calls `parallelize_module`
+``dp x fsdp x tp`` (``pp x dp x fsdp x tp`` when pipeline degrees are allowed),
+sequence parallelism on/off, activation checkpointing on/off and each micro-batch size
+that divides the per-rank batch), predicts each with `vescale.dmodule.estimate`, keeps
+those that fit the device memory and ranks them by predicted step time. Pipeline
+layouts are predicted only: `apply_layout` refuses them (build them with
+`pipeline_parallelize`), and ``strategy="auto"`` searches without them. `apply_layout` builds the mesh and calls `parallelize_module`
 with the layout's options; `parallelize_auto` (what ``DModule(model,
 strategy="auto", ...)`` calls) does both and records the choice, which `dump_plan`
 prints and `get_strategy` returns.
@@ -109,43 +111,47 @@ def candidates(
             per-rank batch).
         allow: Restrict choices: ``{"dp_modes": {"ddp", "fsdp", "hsdp", "none"},
             "tp": [..], "sequence_parallel": [False, True],
-            "activation_checkpointing": [False, True]}``.
+            "activation_checkpointing": [False, True]}``, or widen them: ``"pp":
+            [1, 2, 4]`` adds pipeline layouts (default ``[1]``: none; a degree must
+            divide the world and not exceed the transformer blocks). Pipeline layouts
+            are predicted only (see `apply_layout`).
     """
     allow = allow or {}
     modes = set(allow.get("dp_modes", ("none", "ddp", "fsdp", "hsdp")))
     sps = list(allow.get("sequence_parallel", (False, True)))
     acs = list(allow.get("activation_checkpointing", (False, True)))
     tps = allow.get("tp")
+    pps = [p for p in allow.get("pp", (1,)) if world % p == 0]
+    pps = [p for p in pps if p == 1 or p <= profile.n_blocks]
     out = []
     valid_tp: dict[int, bool] = {}
-    for tp in _divisors(world):
-        if tps is not None and tp not in tps:
-            continue
-        if tp not in valid_tp:
-            valid_tp[tp] = profile.valid_tp(tp)
-        if not valid_tp[tp]:
-            continue
-        rest = world // tp
-        for fsdp in _divisors(rest):
-            dp = rest // fsdp
-            lay0 = Layout(dp=dp, fsdp=fsdp, tp=tp)
-            if lay0.dp_mode not in modes or global_batch % lay0.dp_degree:
+    for pp in pps:
+        for tp in _divisors(world // pp):
+            if tps is not None and tp not in tps:
                 continue
-            per_rank = global_batch // lay0.dp_degree
-            mbs = [m for m in (micro_batches or _divisors(per_rank)) if per_rank % m == 0]
-            for sp in sps if tp > 1 else [False]:
-                for ac in acs:
-                    for mb in mbs:
-                        out.append(
-                            Layout(
-                                dp=dp,
-                                fsdp=fsdp,
-                                tp=tp,
-                                sequence_parallel=sp,
-                                activation_checkpointing=ac,
-                                micro_batch=mb,
+            if tp not in valid_tp:
+                valid_tp[tp] = profile.valid_tp(tp)
+            if not valid_tp[tp]:
+                continue
+            rest = world // pp // tp
+            for fsdp in _divisors(rest):
+                dp = rest // fsdp
+                lay0 = Layout(dp=dp, fsdp=fsdp, tp=tp, pp=pp)
+                if lay0.dp_mode not in modes or global_batch % lay0.dp_degree:
+                    continue
+                per_rank = global_batch // lay0.dp_degree
+                mbs = [m for m in (micro_batches or _divisors(per_rank)) if per_rank % m == 0]
+                for sp in sps if tp > 1 else [False]:
+                    for ac in acs:
+                        for mb in mbs:
+                            out.append(
+                                dataclasses.replace(
+                                    lay0,
+                                    sequence_parallel=sp,
+                                    activation_checkpointing=ac,
+                                    micro_batch=mb,
+                                )
                             )
-                        )
     return out
 
 
@@ -202,9 +208,17 @@ def apply_layout(
     the layout. ``options`` go to `parallelize_module` (e.g. ``param_init_fn``).
 
     Raises:
+        NotImplementedError: ``layout.pp > 1``: pipeline layouts are predicted by
+            `search` but not applied here; build them with `pipeline_parallelize`.
         ValueError: The layout's world size is not the process group's.
     """
     import torch.distributed as dist
+
+    if layout.pp > 1:
+        raise NotImplementedError(
+            f"apply_layout({layout.describe()}): pipeline layouts are predicted by search() "
+            "but not applied; build the stages with vescale.dmodule.pipeline_parallelize"
+        )
 
     from vescale.dmodule._api import parallelize_module
     from vescale.dtensor import init_device_mesh
@@ -227,7 +241,8 @@ def apply_layout(
         opts["activation_checkpointing"] = True
     opts.update(options)
     skeleton = _meta_copy(model)
-    out = parallelize_module(model, mesh, None, **opts)
+    # tp = 1: no plan at all (the automatic plan would take a lone mesh dim for TP)
+    out = parallelize_module(model, mesh, None if layout.tp > 1 else {}, **opts)
     _LAYOUTS[out] = (layout, skeleton, dict(options))
     return out
 
@@ -378,6 +393,13 @@ def parallelize_auto(
         raise ValueError(f"strategy must be 'auto' or a Layout, got {strategy!r}")
     if "global_batch" not in auto:
         raise ValueError("strategy='auto' needs global_batch=<samples per optimizer step>")
+    pps = (auto.get("allow") or {}).get("pp", (1,))
+    if any(p != 1 for p in pps):
+        raise ValueError(
+            f"strategy='auto' applies layouts without pipeline stages, got allow['pp']={pps!r}: "
+            "pipeline layouts are predicted by search(..., allow={'pp': [...]}) only; build "
+            "them with pipeline_parallelize"
+        )
     choice = choose(model, **auto)
     out = apply_layout(model, choice.layout, device_type=choice.device.device_type, **kwargs)
     _CHOICES[out] = choice
