@@ -23,7 +23,7 @@ Conventions:
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from typing import Any
 
 import torch
@@ -145,30 +145,45 @@ def all_reduce_coalesced(
     pg = resolve_group(group)
     name, divide = _reduce_plan(pg, op)
     n = pg.size()
-    groups = _by_dtype(tensors)
-    pending = []
-    for idx in groups.values():
-        flat = torch.cat([tensors[i].detach().reshape(-1) for i in idx])
-        pending.append(funcol.all_reduce(flat, name, pg.group_name))
 
-    def unpack(ready: list[torch.Tensor]) -> list[torch.Tensor]:
-        results: list[Any] = [None] * len(tensors)
-        for buf, idx in zip(ready, groups.values()):
-            if divide:
-                divide_(buf, n)
-            pieces = buf.split([tensors[i].numel() for i in idx])
-            for i, piece in zip(idx, pieces):
-                results[i] = piece.view(tensors[i].shape)
-        return results
+    def unpack(buf: torch.Tensor, ts: list[torch.Tensor]) -> list[torch.Tensor]:
+        if divide:
+            divide_(buf, n)
+        return [p.view(t.shape) for p, t in zip(buf.split([t.numel() for t in ts]), ts)]
 
-    return finish(CollectiveHandle(pending, unpack), async_op)
+    return _coalesced(
+        tensors,
+        lambda ts: funcol.all_reduce(torch.cat([t.reshape(-1) for t in ts]), name, pg.group_name),
+        unpack,
+        async_op,
+    )
 
 
-def _by_dtype(tensors: Sequence[torch.Tensor]) -> dict[torch.dtype, list[int]]:
+def _coalesced(
+    tensors: Sequence[torch.Tensor],
+    launch: Callable[[list[torch.Tensor]], torch.Tensor],
+    unpack: Callable[[torch.Tensor, list[torch.Tensor]], list[torch.Tensor]],
+    async_op: bool,
+) -> list[torch.Tensor] | CollectiveHandle:
+    """One collective per dtype over the tensors of that dtype, results in input order.
+
+    ``launch(ts)`` packs the (detached) tensors of one dtype and starts their
+    collective; ``unpack(buf, ts)`` turns its finished buffer into one result per
+    tensor of ``ts``.
+    """
     groups: dict[torch.dtype, list[int]] = {}
     for i, t in enumerate(tensors):
         groups.setdefault(t.dtype, []).append(i)
-    return groups
+    pending = [launch([tensors[i].detach() for i in idx]) for idx in groups.values()]
+
+    def finish_all(ready: list[torch.Tensor]) -> list[torch.Tensor]:
+        results: list[Any] = [None] * len(tensors)
+        for buf, idx in zip(ready, groups.values()):
+            for i, out in zip(idx, unpack(buf, [tensors[i] for i in idx])):
+                results[i] = out
+        return results
+
+    return finish(CollectiveHandle(pending, finish_all), async_op)
 
 
 # --------------------------------------------------------------------------- all_gather
@@ -263,26 +278,22 @@ def all_gather_coalesced(
     """
     pg = resolve_group(group)
     n = pg.size()
-    groups = _by_dtype(tensors)
-    pending = []
-    for idx in groups.values():
-        flat = torch.cat([tensors[i].detach().reshape(-1) for i in idx])
-        pending.append(funcol.all_gather_into_tensor(flat, n, pg.group_name))
 
-    def unpack(ready: list[torch.Tensor]) -> list[torch.Tensor]:
-        results: list[Any] = [None] * len(tensors)
-        for buf, idx in zip(ready, groups.values()):
-            rows = buf.view(n, -1)
-            offset = 0
-            for i in idx:
-                t = tensors[i]
-                part = rows[:, offset : offset + t.numel()]
-                offset += t.numel()
-                shape = (n,) if t.ndim == 0 else (n * t.shape[0], *t.shape[1:])
-                results[i] = part.reshape(shape)
-        return results
+    def unpack(buf: torch.Tensor, ts: list[torch.Tensor]) -> list[torch.Tensor]:
+        parts = buf.view(n, -1).split([t.numel() for t in ts], dim=1)
+        return [
+            p.reshape((n,) if t.ndim == 0 else (n * t.shape[0], *t.shape[1:]))
+            for p, t in zip(parts, ts)
+        ]
 
-    return finish(CollectiveHandle(pending, unpack), async_op)
+    return _coalesced(
+        tensors,
+        lambda ts: funcol.all_gather_into_tensor(
+            torch.cat([t.reshape(-1) for t in ts]), n, pg.group_name
+        ),
+        unpack,
+        async_op,
+    )
 
 
 # --------------------------------------------------------------------------- reduce_scatter
@@ -369,24 +380,21 @@ def reduce_scatter_coalesced(
             raise ValueError(
                 f"reduce_scatter_coalesced: dim 0 of every tensor must be divisible by {n}, got {tuple(t.shape)}"
             )
-    groups = _by_dtype(tensors)
-    pending = []
-    for idx in groups.values():
-        buf = torch.cat([tensors[i].detach().reshape(n, -1) for i in idx], dim=1).reshape(-1)
-        pending.append(funcol.reduce_scatter_tensor(buf, name, n, pg.group_name))
 
-    def unpack(ready: list[torch.Tensor]) -> list[torch.Tensor]:
-        results: list[Any] = [None] * len(tensors)
-        for buf, idx in zip(ready, groups.values()):
-            if divide:
-                divide_(buf, n)
-            pieces = buf.split([tensors[i].numel() // n for i in idx])
-            for i, piece in zip(idx, pieces):
-                t = tensors[i]
-                results[i] = piece.view(t.shape[0] // n, *t.shape[1:])
-        return results
+    def unpack(buf: torch.Tensor, ts: list[torch.Tensor]) -> list[torch.Tensor]:
+        if divide:
+            divide_(buf, n)
+        pieces = buf.split([t.numel() // n for t in ts])
+        return [p.view(t.shape[0] // n, *t.shape[1:]) for p, t in zip(pieces, ts)]
 
-    return finish(CollectiveHandle(pending, unpack), async_op)
+    return _coalesced(
+        tensors,
+        lambda ts: funcol.reduce_scatter_tensor(
+            torch.cat([t.reshape(n, -1) for t in ts], dim=1).reshape(-1), name, n, pg.group_name
+        ),
+        unpack,
+        async_op,
+    )
 
 
 # --------------------------------------------------------------------------- all_to_all
