@@ -9,8 +9,6 @@ from vescale.dtensor.testing import expected_torch_internals
 
 NATIVE = [
     "torch.distributed.tensor.placement_types._StridedShard",
-    "torch.distributed.all_gather_single",
-    "torch.distributed.reduce_scatter_single",
     "DTensor._local_tensor",
     "torch.autograd.Variable._execution_engine.queue_callback",
     "torch._C._get/_set_dtensor_allow_implicit_replication",
@@ -19,14 +17,7 @@ NATIVE = [
     "torch._C._current_graph_task_id",
     "torch.utils._pytree.tree_flatten / tree_unflatten",
 ]
-RECORDED = {
-    (2, 11): {
-        "torch.distributed.all_gather_single": "native: torch.distributed.all_gather_into_tensor",
-        "torch.distributed.reduce_scatter_single": "native: torch.distributed.reduce_scatter_tensor",
-    },
-    (2, 13): {},
-    (2, 15): {},
-}
+RECORDED = {(2, 11): {}, (2, 13): {}, (2, 15): {}}
 
 
 def test_torch_internals_report_is_the_recorded_one():

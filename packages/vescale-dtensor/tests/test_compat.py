@@ -132,6 +132,39 @@ def test_probe_that_passes_is_native():
     assert internals.report() == {"torch.fake._fine": "native"}
 
 
+def test_pick_returns_the_internal_or_its_stand_in():
+    from vescale.dtensor.compat import dtensor_internals, sibling_internals
+
+    internals = _compat.TorchInternals("vescale-test")
+    public = object()
+    with warnings.catch_warnings(record=True) as seen:
+        warnings.simplefilter("always")
+        # found through an attribute chain, and through a submodule import
+        assert internals.pick("torch._C._nn.flatten_dense_tensors", instead="-") is (
+            torch._C._nn.flatten_dense_tensors
+        )
+        got = internals.pick(
+            "torch.distributed.tensor.debug._comm_mode.NATIVE_TO_PY_MAPPING",
+            lambda m: None if isinstance(m, dict) else "not a dict",
+            instead="-",
+        )
+        assert isinstance(got, dict) and got
+        assert internals.pick("torch.fake_mod._gone", stand_in=public, instead="slow") is public
+        assert (
+            internals.pick("torch.cat", lambda f: "changed", stand_in=public, instead="slow")
+            is public
+        )
+    report = internals.report()
+    assert report["torch._C._nn.flatten_dense_tensors"] == "native"
+    assert report["torch.fake_mod._gone"].startswith("fallback: cannot be imported: ")
+    assert report["torch.cat"] == "fallback: changed; slow"
+    assert len([w for w in seen if issubclass(w.category, _compat.TorchInternalsWarning)]) == 2
+    sibling = sibling_internals("vescale-test", shared=["DTensor._local_tensor"])
+    assert sibling.report() == {
+        "DTensor._local_tensor": dtensor_internals().report()["DTensor._local_tensor"]
+    }
+
+
 def test_rule_installation_degrades_instead_of_raising():
     class Bare:  # a propagator without any of the tables the rules go into
         pass

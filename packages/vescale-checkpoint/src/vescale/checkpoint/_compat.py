@@ -15,13 +15,7 @@ from datetime import timedelta
 import torch
 import torch.distributed as dist
 
-from vescale.dtensor.compat import (
-    StridedShard,
-    TorchInternals,
-    default_group,
-    dtensor_internals,
-    local_tensor,
-)
+from vescale.dtensor.compat import StridedShard, default_group, local_tensor, sibling_internals
 
 __all__ = [
     "StorageInfo",
@@ -33,14 +27,14 @@ __all__ = [
     "new_member_group",
 ]
 
-_INTERNALS = TorchInternals("vescale-checkpoint")
-# Probed (with their fallbacks) by vescale-dtensor, used here too.
-for _name in (
-    "torch.distributed.tensor.placement_types._StridedShard",
-    "torch.distributed.distributed_c10d._get_default_group",
-    "DTensor._local_tensor",
-):
-    _INTERNALS.adopt(_name, dtensor_internals())
+_INTERNALS = sibling_internals(
+    "vescale-checkpoint",
+    shared=(
+        "torch.distributed.tensor.placement_types._StridedShard",
+        "torch.distributed.distributed_c10d._get_default_group",
+        "DTensor._local_tensor",
+    ),
+)
 
 
 def _storage_info() -> tuple[type, str | None]:

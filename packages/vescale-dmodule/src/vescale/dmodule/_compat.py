@@ -16,20 +16,10 @@ from typing import Any
 
 import torch
 
-from vescale.dtensor.compat import (
-    StridedShard,
-    TorchInternals,
-    all_gather_single,
-    dtensor_internals,
-    local_tensor,
-    queue_callback,
-    reduce_scatter_single,
-)
+from vescale.dtensor.compat import StridedShard, local_tensor, queue_callback, sibling_internals
 
 __all__ = [
     "StridedShard",
-    "all_gather_single",
-    "reduce_scatter_single",
     "local_tensor",
     "queue_callback",
     "get_implicit_replication",
@@ -43,16 +33,14 @@ __all__ = [
     "check_torch_internals",
 ]
 
-_INTERNALS = TorchInternals("vescale-dmodule")
-# Probed (with their fallbacks) by vescale-dtensor, used here too.
-for _name in (
-    "torch.distributed.tensor.placement_types._StridedShard",
-    "torch.distributed.all_gather_single",
-    "torch.distributed.reduce_scatter_single",
-    "DTensor._local_tensor",
-    "torch.autograd.Variable._execution_engine.queue_callback",
-):
-    _INTERNALS.adopt(_name, dtensor_internals())
+_INTERNALS = sibling_internals(
+    "vescale-dmodule",
+    shared=(
+        "torch.distributed.tensor.placement_types._StridedShard",
+        "DTensor._local_tensor",
+        "torch.autograd.Variable._execution_engine.queue_callback",
+    ),
+)
 
 
 def _missing(what: str) -> NotImplementedError:

@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import dataclasses
 import functools
+import importlib
 import inspect
 import warnings
 import weakref
@@ -152,6 +153,45 @@ class TorchInternals:
         (self.missing if required else self.fallback)(name, problem, instead)
         return False
 
+    def pick(
+        self,
+        name: str,
+        check: Callable[[Any], str | None] | None = None,
+        *,
+        stand_in: Any = None,
+        instead: str,
+        required: bool = False,
+    ) -> Any:
+        """Find the internal ``name``, check it, record the outcome; return it or ``stand_in``.
+
+        Args:
+            name: The internal's dotted path (``"torch._C._nn.flatten_dense_tensors"``,
+                ``"torch.utils._python_dispatch.TorchDispatchMode"``): attributes are
+                looked up from ``torch`` on, and a submodule that is not an attribute
+                yet is imported. A path that cannot be found is a problem
+                (``"cannot be imported: ..."``).
+            check: Called with the internal; returns ``None`` when it behaves as
+                relied on, else the problem (an exception counts as a problem).
+                ``None``: being there is enough.
+            stand_in: What to return when the internal cannot be used (the public
+                equivalent, or a placeholder that raises when used).
+            instead: As for `probe`.
+            required: As for `probe`.
+
+        Returns:
+            The internal, or ``stand_in`` when it is missing or its check failed.
+        """
+        found: list[Any] = []
+
+        def run() -> str | None:
+            try:
+                found.append(_find(name))
+            except (ImportError, AttributeError) as exc:
+                return f"cannot be imported: {exc}"
+            return None if check is None else check(found[0])
+
+        return found[0] if self.probe(name, run, instead=instead, required=required) else stand_in
+
     def adopt(self, name: str, other: TorchInternals) -> None:
         """Record ``name`` with the status another package's probe found (no second warning)."""
         self._entries[name] = other.report()[name]
@@ -159,6 +199,18 @@ class TorchInternals:
     def report(self) -> dict[str, str]:
         """Every probed internal with its status (see the class docstring)."""
         return dict(self._entries)
+
+
+def _find(path: str) -> Any:
+    """The object at a dotted path: attributes first, importing submodules as needed."""
+    head, *rest = path.split(".")
+    obj = importlib.import_module(head)
+    for i, part in enumerate(rest, 2):
+        try:
+            obj = getattr(obj, part)
+        except AttributeError:
+            obj = importlib.import_module(".".join(path.split(".")[:i]))
+    return obj
 
 
 _INTERNALS = TorchInternals("vescale-dtensor")
@@ -377,29 +429,24 @@ def queue_callback(fn: Callable[[], None]) -> None:
 
 
 # ------------------------------------------------------------------ _StridedShard
-def _strided_class() -> tuple[type, str | None]:
+def _strided_problem(cls: type) -> str | None:
     try:
-        from torch.distributed.tensor.placement_types import _StridedShard
-    except ImportError as exc:
-        return _unavailable_class("torch _StridedShard"), f"cannot be imported: {exc}"
-    try:
-        p = _StridedShard(1, split_factor=3)
-        if (p.dim, p.split_factor) != (1, 3) or p != _StridedShard(1, split_factor=3):
-            return _StridedShard, "_StridedShard(dim, split_factor=) changed"
+        p = cls(1, split_factor=3)
+        if (p.dim, p.split_factor) != (1, 3) or p != cls(1, split_factor=3):
+            return "_StridedShard(dim, split_factor=) changed"
     except Exception as exc:  # noqa: BLE001
-        return _StridedShard, f"_StridedShard(1, split_factor=3) failed: {exc!r}"
-    return _StridedShard, None
+        return f"_StridedShard(1, split_factor=3) failed: {exc!r}"
+    return None
 
 
-StridedShard, _strided_problem = _strided_class()
-_STRIDED_OK = _INTERNALS.probe(
+StridedShard = _INTERNALS.pick(
     "torch.distributed.tensor.placement_types._StridedShard",
-    lambda: _strided_problem,
+    _strided_problem,
+    stand_in=_unavailable_class("torch _StridedShard"),
     instead="fused (strided) parameter layouts raise NotImplementedError",
     required=True,
 )
-if not _STRIDED_OK:
-    StridedShard = _unavailable_class("torch _StridedShard")
+_STRIDED_OK = not issubclass(StridedShard, _Unavailable)
 
 
 # ------------------------------------------------------------------ functional collectives
@@ -631,21 +678,16 @@ def partial_to_shard(
 
 
 # ------------------------------------------------------------------ norms
-def _norm_partial_class() -> tuple[type | None, str | None]:
-    try:
-        from torch.distributed.tensor._ops._math_ops import _NormPartial
-    except ImportError as exc:
-        return None, f"cannot be imported: {exc}"
-    p = _NormPartial(3.0)
+def _norm_problem(cls: type) -> str | None:
+    p = cls(3.0)
     if not (p.is_partial() and p.norm_type == 3.0):
-        return None, "_NormPartial(norm_type) changed (is_partial/norm_type)"
-    return _NormPartial, None
+        return "_NormPartial(norm_type) changed (is_partial/norm_type)"
+    return None
 
 
-_NormPartial, _norm_problem = _norm_partial_class()
-_INTERNALS.probe(
+_NormPartial = _INTERNALS.pick(
     "torch.distributed.tensor._ops._math_ops._NormPartial",
-    lambda: _norm_problem,
+    _norm_problem,
     instead="p-norms of plugin-sharded tensors run on their fallback placement",
 )
 
@@ -881,21 +923,11 @@ def resolve_group_name(name: str) -> dist.ProcessGroup | None:
 
 
 # ------------------------------------------------------------------ CommDebugMode
-def _comm_aliases() -> tuple[dict, str | None]:
-    try:
-        from torch.distributed.tensor.debug._comm_mode import NATIVE_TO_PY_MAPPING
-    except ImportError as exc:
-        return {}, f"cannot be imported: {exc}"
-    if not isinstance(NATIVE_TO_PY_MAPPING, dict):
-        return {}, "is no longer a dict"
-    return NATIVE_TO_PY_MAPPING, None
-
-
 #: torch's map from native collective ops to the functional ones CommDebugMode counts.
-COMM_OP_ALIASES, _aliases_problem = _comm_aliases()
-_INTERNALS.probe(
+COMM_OP_ALIASES = _INTERNALS.pick(
     "torch.distributed.tensor.debug._comm_mode.NATIVE_TO_PY_MAPPING",
-    lambda: _aliases_problem,
+    lambda m: None if isinstance(m, dict) else "is no longer a dict",
+    stand_in={},
     instead="collectives are counted under their native op names",
 )
 
@@ -1780,20 +1812,10 @@ def set_random_op_handler(ops: Sequence[Any], handler: Callable | None) -> bool:
     return True
 
 
-def _import_dispatch_mode() -> tuple[Any, str | None]:
-    try:
-        from torch.utils._python_dispatch import TorchDispatchMode as mode
-    except ImportError as exc:
-        return None, f"cannot be imported: {exc}"
-    if not callable(getattr(mode, "__enter__", None)):
-        return None, "has no __enter__"
-    return mode, None
-
-
-TorchDispatchMode, _mode_problem = _import_dispatch_mode()
-DISPATCH_MODE_OK = _INTERNALS.probe(
+TorchDispatchMode = _INTERNALS.pick(
     "torch.utils._python_dispatch.TorchDispatchMode",
-    lambda: _mode_problem,
+    lambda mode: None if callable(getattr(mode, "__enter__", None)) else "has no __enter__",
     instead="vescale.dtensor.random.data_parallel_rng raises NotImplementedError",
     required=True,
 )
+DISPATCH_MODE_OK = TorchDispatchMode is not None

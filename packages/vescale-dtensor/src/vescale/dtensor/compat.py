@@ -6,9 +6,9 @@ vescale-dtensor probes the torch internals it relies on once, at import (see
 through this public module, never through `vescale.dtensor._compat`, so a torch
 release that moves an internal is handled in one place:
 
-- `TorchInternals`: the record of one package's probes (`probe`, `adopt`, `report`);
-  each package keeps its own, `adopt`ing the entries it shares with vescale-dtensor
-  from `dtensor_internals()`.
+- `TorchInternals`: the record of one package's probes (`probe`, `pick`, `adopt`,
+  `report`); each package keeps its own, made by `sibling_internals`, which adopts the
+  entries it shares with vescale-dtensor from `dtensor_internals()`.
 - `check_torch_internals()`: vescale-dtensor's report, `{internal: status}`.
 - Probed pieces with their fallbacks: `StridedShard` (torch's strided shard placement,
   or `None`), `local_tensor`, `default_group`, `queue_callback`, `all_gather_single`,
@@ -18,6 +18,8 @@ release that moves an internal is handled in one place:
 """
 
 from __future__ import annotations
+
+from collections.abc import Iterable
 
 from vescale.dtensor import _compat
 from vescale.dtensor._compat import (
@@ -48,6 +50,7 @@ __all__ = [
     "reduce_scatter_single",
     "refusing_getattr",
     "shard_size_and_offset",
+    "sibling_internals",
 ]
 
 
@@ -58,3 +61,22 @@ def dtensor_internals() -> TorchInternals:
         The `TorchInternals` that vescale-dtensor filled at import.
     """
     return _compat._INTERNALS
+
+
+def sibling_internals(package: str, shared: Iterable[str] = ()) -> TorchInternals:
+    """A new probe record for a package built on vescale-dtensor.
+
+    Args:
+        package: The distribution name (``"vescale-ragged"``), used in warnings.
+        shared: Internals vescale-dtensor probes (with their fallbacks) that the
+            package uses too, through this module; each starts with the status
+            vescale-dtensor found (`TorchInternals.adopt`, no second warning).
+
+    Returns:
+        The package's `TorchInternals`, for its own probes and its
+        ``check_torch_internals()``.
+    """
+    internals = TorchInternals(package)
+    for name in shared:
+        internals.adopt(name, _compat._INTERNALS)
+    return internals

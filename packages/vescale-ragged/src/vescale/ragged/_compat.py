@@ -17,11 +17,10 @@ from collections.abc import Callable, Sequence
 import torch
 
 from vescale.dtensor.compat import (
-    TorchInternals,
     all_gather_single,
-    dtensor_internals,
     reduce_scatter_single,
     shard_size_and_offset,
+    sibling_internals,
 )
 
 __all__ = [
@@ -34,14 +33,14 @@ __all__ = [
     "shard_size_and_offset",
 ]
 
-_INTERNALS = TorchInternals("vescale-ragged")
-# Probed (with their fallbacks) by vescale-dtensor, used here too.
-for _name in (
-    "torch.distributed.all_gather_single",
-    "torch.distributed.reduce_scatter_single",
-    "Shard.local_shard_size_and_offset",
-):
-    _INTERNALS.adopt(_name, dtensor_internals())
+_INTERNALS = sibling_internals(
+    "vescale-ragged",
+    shared=(
+        "torch.distributed.all_gather_single",
+        "torch.distributed.reduce_scatter_single",
+        "Shard.local_shard_size_and_offset",
+    ),
+)
 
 
 def _flatten_public(tensors: Sequence[torch.Tensor]) -> torch.Tensor:
@@ -69,9 +68,7 @@ def _probe_src() -> list[torch.Tensor]:
     ]
 
 
-def _flatten_problem(flatten: Callable | None) -> str | None:
-    if flatten is None:
-        return "is missing"
+def _flatten_problem(flatten: Callable) -> str | None:
     expect = torch.tensor([0, 3, 1, 4, 2, 5, 7, 8, 9], dtype=torch.float16)
     got = flatten(_probe_src())
     if not (got.dtype == expect.dtype and got.shape == expect.shape and got.equal(expect)):
@@ -79,9 +76,7 @@ def _flatten_problem(flatten: Callable | None) -> str | None:
     return None
 
 
-def _unflatten_problem(unflatten: Callable | None) -> str | None:
-    if unflatten is None:
-        return "is missing"
+def _unflatten_problem(unflatten: Callable) -> str | None:
     src = _probe_src()
     flat = torch.arange(11, dtype=torch.float16)  # longer than needed: tail ignored
     views = unflatten(flat, src)
@@ -95,9 +90,7 @@ def _unflatten_problem(unflatten: Callable | None) -> str | None:
     return None
 
 
-def _foreach_copy_problem(foreach_copy: Callable | None) -> str | None:
-    if foreach_copy is None:
-        return "is missing"
+def _foreach_copy_problem(foreach_copy: Callable) -> str | None:
     from_ = [torch.tensor([[1.0, 2.0, 3.0], [4.0, 5.0, 1 / 3]]), torch.tensor(-2.7)]
     dst, ref = (
         [torch.zeros(3, 2, dtype=torch.bfloat16).t(), torch.zeros((), dtype=torch.int32)]
@@ -111,31 +104,23 @@ def _foreach_copy_problem(foreach_copy: Callable | None) -> str | None:
     return None
 
 
-def _pick(name: str, fn: Callable | None, problem, public: Callable, instead: str) -> Callable:
-    ok = _INTERNALS.probe(name, lambda: problem(fn), instead=instead)
-    return fn if ok else public  # type: ignore[return-value]
-
-
-flatten_dense = _pick(
+flatten_dense = _INTERNALS.pick(
     "torch._C._nn.flatten_dense_tensors",
-    getattr(torch._C._nn, "flatten_dense_tensors", None),
     _flatten_problem,
-    _flatten_public,
-    "torch.cat of reshaped tensors",
+    stand_in=_flatten_public,
+    instead="torch.cat of reshaped tensors",
 )
-unflatten_dense = _pick(
+unflatten_dense = _INTERNALS.pick(
     "torch._C._nn.unflatten_dense_tensors",
-    getattr(torch._C._nn, "unflatten_dense_tensors", None),
     _unflatten_problem,
-    _unflatten_public,
-    "split_with_sizes + view_as",
+    stand_in=_unflatten_public,
+    instead="split_with_sizes + view_as",
 )
-foreach_copy = _pick(
+foreach_copy = _INTERNALS.pick(
     "torch._foreach_copy_",
-    getattr(torch, "_foreach_copy_", None),
     _foreach_copy_problem,
-    _foreach_copy_public,
-    "one copy_ per tensor",
+    stand_in=_foreach_copy_public,
+    instead="one copy_ per tensor",
 )
 
 
