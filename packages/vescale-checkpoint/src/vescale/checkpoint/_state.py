@@ -235,28 +235,13 @@ def _tensor_entry(t: torch.Tensor, key: str, *, for_load: bool, stage, flat: Fla
             if later is not None:
                 return later, info
             if not plugin:
-                return (
-                    DTensor.from_local(
-                        _stage(_compat.local_tensor(t)),
-                        t.device_mesh,
-                        t.placements,
-                        run_check=False,
-                        shape=t.shape,
-                        stride=t.stride(),
-                    ),
-                    info,
-                )
-        elif not for_load and plugin:
+                return _staged_dtensor(t, _stage), info
+        elif plugin:
             try:
-                return chunked_from_dtensor(t, for_load=False), info
+                return chunked_from_dtensor(t, for_load=for_load), info
             except UnsupportedLayout:
                 pass
-        elif for_load and plugin:
-            try:
-                return chunked_from_dtensor(t, for_load=True), info
-            except UnsupportedLayout:
-                pass
-        elif not plugin:
+        else:
             return t, info
         # A plugin placement whose data is not a set of boxes: go through its fallback.
         fb_placements = [
@@ -273,20 +258,23 @@ def _tensor_entry(t: torch.Tensor, key: str, *, for_load: bool, stage, flat: Fla
 
             flat.finishers.append(copy_back)
             return fb, info
-        if stage:
-            fb = DTensor.from_local(
-                _stage(_compat.local_tensor(fb)),
-                fb.device_mesh,
-                fb.placements,
-                run_check=False,
-                shape=fb.shape,
-                stride=fb.stride(),
-            )
-        return fb, info
+        return (_staged_dtensor(fb, _stage) if stage else fb), info
     info = {"shape": list(t.shape), "dtype": str(t.dtype).removeprefix("torch.")}
     if for_load:
         return t, info
     return (_stage(t) if stage else t.detach()), info
+
+
+def _staged_dtensor(t: DTensor, stage: Callable[[torch.Tensor], torch.Tensor]) -> DTensor:
+    """``t`` with its local tensor passed through ``stage`` (same layout, shape, stride)."""
+    return DTensor.from_local(
+        stage(_compat.local_tensor(t)),
+        t.device_mesh,
+        t.placements,
+        run_check=False,
+        shape=t.shape,
+        stride=t.stride(),
+    )
 
 
 def _find_owner(opt: torch.optim.Optimizer, modules: list[nn.Module]) -> nn.Module | None:
