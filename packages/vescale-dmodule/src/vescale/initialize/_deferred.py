@@ -12,14 +12,6 @@ from torch.distributed.tensor import DTensor, Placement
 
 from vescale.dtensor import distribute_tensor
 
-__all__ = [
-    "deferred_init",
-    "is_deferred",
-    "materialize_module",
-    "materialize_dtensor",
-    "materialize_dparameter",
-]
-
 _TAG = "_vescale_deferred_init"
 
 
