@@ -20,9 +20,8 @@ Usage::
 from __future__ import annotations
 
 import argparse
-import statistics
-import time
 
+from _launch import run_worlds, time_alternating
 from _summary import emit, human_bytes
 
 
@@ -101,16 +100,9 @@ def bench_worker(steps: int, cfg_kwargs: dict, batch: int, seq: int) -> dict:
             "bytes": cm.get_total_bytes(),
             "collectives": cm.get_total_counts(),
             "loss": loss,
-            "times": [],
         }
-    for _ in range(steps):
-        for name, step in sides.items():  # alternate
-            dist.barrier()
-            t0 = time.perf_counter()
-            step()
-            stats[name]["times"].append(time.perf_counter() - t0)
-    for s in stats.values():
-        s["median_ms"] = 1e3 * statistics.median(s.pop("times"))
+    for name, ms in time_alternating(sides, steps).items():
+        stats[name]["median_ms"] = ms
     return stats
 
 
@@ -125,8 +117,6 @@ def main() -> None:
     parser.add_argument("--seq", type=int, default=64)
     args = parser.parse_args()
 
-    from vescale.dtensor.testing import run_on_ranks, shutdown_pools
-
     cfg = dict(
         vocab_size=args.vocab,
         block_size=args.seq,
@@ -135,15 +125,12 @@ def main() -> None:
         n_embd=args.hidden,
         tie_embeddings=False,
     )
-    rows = []
-    try:
-        for tp in args.tp:
-            res = run_on_ranks(
-                bench_worker, tp, args.steps, cfg, args.batch, args.seq, timeout=900
-            )[0]
-            rows.append((tp, res))
-    finally:
-        shutdown_pools()
+    rows = [
+        (tp, per_rank[0])
+        for tp, per_rank in run_worlds(
+            bench_worker, args.tp, args.steps, cfg, args.batch, args.seq, timeout=900
+        )
+    ]
     print(
         f"GPT {args.layers}x{args.hidden}, vocab {args.vocab}, batch {args.batch}x{args.seq}, "
         f"{args.steps} alternating steps per side (CPU, gloo)"

@@ -25,9 +25,8 @@ Usage::
 from __future__ import annotations
 
 import argparse
-import statistics
-import time
 
+from _launch import run_worlds, time_alternating
 from _summary import emit, human_bytes
 
 
@@ -111,19 +110,10 @@ def bench_worker(steps: int, cfg_kwargs: dict, batch: int, seq: int) -> dict:
             "copied": copied,
             "mem": mem[0],
             "loss": loss,
-            "times": [],
         }
-    order = list(sides)
-    for i in range(steps):
-        # alternate, in reverse order every other round (no side always follows another)
-        for name in order if i % 2 == 0 else order[::-1]:
-            step = sides[name][0]
-            dist.barrier()
-            t0 = time.perf_counter()
-            step()
-            stats[name]["times"].append(time.perf_counter() - t0)
-    for s in stats.values():
-        s["median_ms"] = 1e3 * statistics.median(s.pop("times"))
+    medians = time_alternating({name: step for name, (step, _opt) in sides.items()}, steps)
+    for name, ms in medians.items():
+        stats[name]["median_ms"] = ms
     stats["_P"] = nparams
     return stats
 
@@ -139,8 +129,6 @@ def main() -> None:
     parser.add_argument("--seq", type=int, default=64)
     args = parser.parse_args()
 
-    from vescale.dtensor.testing import run_on_ranks, shutdown_pools
-
     cfg = dict(
         vocab_size=args.vocab,
         block_size=args.seq,
@@ -149,13 +137,7 @@ def main() -> None:
         n_embd=args.hidden,
         tie_embeddings=True,
     )
-    rows = []
-    try:
-        for n in args.world:
-            res = run_on_ranks(bench_worker, n, args.steps, cfg, args.batch, args.seq, timeout=1800)
-            rows.append((n, res))
-    finally:
-        shutdown_pools()
+    rows = run_worlds(bench_worker, args.world, args.steps, cfg, args.batch, args.seq)
     P = rows[0][1][0]["_P"]
     print(
         f"GPT {args.layers}x{args.hidden}, vocab {args.vocab} (tied), P = {P:,} params, per-rank "
