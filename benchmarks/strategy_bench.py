@@ -292,7 +292,9 @@ def main() -> None:
                 f"{d.optimizer_param_overhead * 1e6:.1f} us (DTensor "
                 f"{d.optimizer_dtensor_param_overhead * 1e6:.1f} us), all-reduce "
                 f"{d.links[0].bandwidth / 1e9:.2f} GB/s + {d.links[0].latency * 1e6:.0f} us "
-                f"per ring step, {d.cores} cores for {d.ranks_per_node} rank(s)"
+                f"per ring step + {d.links[0].call_latency * 1e6:.0f} us per call (DTensor "
+                f"+{d.dtensor_collective_overhead * 1e6:.0f} us), "
+                f"{d.cores} cores for {d.ranks_per_node} rank(s)"
             )
         for size in SIZES:
             sel = [r for r in rows if r.get("size") == size]

@@ -271,11 +271,20 @@ def test_auto_reshard_and_checkpoint_resume(tmp_path):
     ref = _reference(6)
     data = _data(6)
     # the probe: real figures, the same on every rank (the slowest rank's)
-    probed = probe_device(memory=2**30, copy_mb=4.0, collective_mb=1.0)
+    probed = probe_device(
+        memory=2**30,
+        matmul_sizes=(64, 128),
+        copy_sizes=(),
+        copy_mb=1.0,
+        collective_mb=1.0,
+        repeats=2,
+    )
     got = [None] * 4
     dist.all_gather_object(got, probed)
     assert all(g == probed for g in got)
     assert probed.matmul_flops > 0 and probed.links[0].bandwidth > 0 and probed.op_overhead > 0
+    assert probed.optimizer_dtensor_param_overhead > 0 and probed.links[0].call_latency >= 0
+    assert probed.ranks_per_node == 4 and probed.cores >= 1  # CPU ranks: cores counted
     # DModule(model, strategy="auto"): the search picks; dump_plan says why
     model = DModule(_gpt(), strategy="auto", device=DEV, global_batch=BATCH)
     choice = get_strategy(model)

@@ -166,11 +166,15 @@ class Link:
         bandwidth: Bus bandwidth per rank in bytes/s (a ring all-reduce of ``S``
             bytes over ``n`` ranks takes ``2 (n-1)/n S / bandwidth``).
         latency: Seconds per ring step.
+        call_latency: Seconds per collective call on top of its ring steps (launch
+            and host synchronisation; what a one-step all-gather costs beyond one
+            step).
     """
 
     ranks: int
     bandwidth: float
     latency: float
+    call_latency: float = 0.0
 
 
 def _interp(table: tuple[tuple[float, float], ...], x: float, default: float) -> float:
@@ -197,8 +201,8 @@ class DeviceSpec:
         copy_bandwidth: Bytes/s that memory-bound ops (elementwise, norms, softmax,
             optimizer) read plus write, on large tensors.
         links: Interconnect tiers, innermost first; the last should have ``ranks=0``.
-        op_overhead: Host seconds per forward op on plain tensors, its backward
-            included (Python, module calls, autograd bookkeeping).
+        op_overhead: Host seconds per torch function call in forward on plain
+            tensors (Python, module calls, building the autograd graph).
         dtensor_op_overhead: The same on DTensors (dispatch and sharding
             propagation); used for layouts with tensor parallelism.
         overlap: Fraction (0..1) of the data-parallel communication that runs hidden
@@ -209,10 +213,14 @@ class DeviceSpec:
             figure of size ``(m k n) ** (1/3)`` (log-log interpolation).
         copy_by_size: ``((bytes, bytes/s), ...)``: memory-bound throughput by tensor
             size (small tensors stay in cache).
+        node_overhead: Host seconds per autograd node in backward on plain tensors.
+        dtensor_node_overhead: The same on DTensors.
         optimizer_param_overhead: Host seconds per parameter tensor of an optimizer
             step (AdamW, one tensor at a time) on plain tensors.
         optimizer_dtensor_param_overhead: The same on DTensor parameters (tensor
             parallelism, FSDP's sharded parameters).
+        dtensor_collective_overhead: Host seconds DTensor adds to each collective it
+            issues (a redistribution: tensor-parallel all-reduces and gathers).
         cores: Cores that the ranks of one node share; ``0``: each rank has its own
             device (GPUs). With more ranks than cores on a node (CPU ranks), compute
             and host time stretch by ``ranks / cores``.
@@ -229,8 +237,11 @@ class DeviceSpec:
     device_type: str = "cpu"
     matmul_by_size: tuple[tuple[int, float], ...] = ()
     copy_by_size: tuple[tuple[int, float], ...] = ()
+    node_overhead: float = 0.0
+    dtensor_node_overhead: float = 0.0
     optimizer_param_overhead: float = 0.0
     optimizer_dtensor_param_overhead: float = 0.0
+    dtensor_collective_overhead: float = 0.0
     cores: int = 0
     ranks_per_node: int = 0
 
@@ -277,21 +288,21 @@ class DeviceSpec:
         if n <= 1 or nbytes <= 0:
             return 0.0
         lk = self.link(span)
-        return 2 * (n - 1) / n * nbytes / lk.bandwidth + 2 * (n - 1) * lk.latency
+        return 2 * (n - 1) / n * nbytes / lk.bandwidth + 2 * (n - 1) * lk.latency + lk.call_latency
 
     def all_gather(self, nbytes: float, n: int, span: int) -> float:
         """Seconds for a ring all-gather (or reduce-scatter) whose full size is ``nbytes``."""
         if n <= 1 or nbytes <= 0:
             return 0.0
         lk = self.link(span)
-        return (n - 1) / n * nbytes / lk.bandwidth + (n - 1) * lk.latency
+        return (n - 1) / n * nbytes / lk.bandwidth + (n - 1) * lk.latency + lk.call_latency
 
     def send(self, nbytes: float, span: int) -> float:
         """Seconds for a point-to-point send of ``nbytes`` (pipeline stages)."""
         if nbytes <= 0:
             return 0.0
         lk = self.link(span)
-        return nbytes / lk.bandwidth + lk.latency
+        return nbytes / lk.bandwidth + lk.latency + lk.call_latency
 
 
 @dataclasses.dataclass
@@ -312,6 +323,8 @@ class ModelProfile:
         block_ew_bytes: The part of ``ew_bytes`` inside the blocks, by class.
         n_ops: Torch function calls in one forward.
         block_ops: The part of ``n_ops`` inside the blocks.
+        n_nodes: Autograd nodes that one backward runs (gradient accumulators
+            included).
         act: Bytes saved for backward, by class (``"seq"``: residual-stream tensors,
             divided by tp only with sequence parallelism; ``"gathered"``: inputs of
             column-parallel linears, never divided; ``"vocab"``: logits-sized, never
@@ -355,6 +368,7 @@ class ModelProfile:
     blocks_name: str = ""
     matmuls: list[tuple[int, int, int, int, str, bool]] = dataclasses.field(default_factory=list)
     ew_count: int = 0
+    n_nodes: int = 0
     model: nn.Module = dataclasses.field(repr=False, default=None)  # type: ignore[assignment]
     plan_model: nn.Module = dataclasses.field(repr=False, default=None)  # type: ignore[assignment]
     _tp_cache: dict = dataclasses.field(repr=False, default_factory=dict)
@@ -585,6 +599,19 @@ def _classify(t: torch.Tensor, hidden: int, vocab: int, tokens: int) -> str:
     return "inner"
 
 
+def _count_nodes(t: torch.Tensor) -> int:
+    """Autograd nodes reachable from ``t`` (what its backward runs)."""
+    seen: set[int] = set()
+    todo = [t.grad_fn]
+    while todo:
+        fn = todo.pop()
+        if fn is None or id(fn) in seen:
+            continue
+        seen.add(id(fn))
+        todo.extend(f for f, _ in fn.next_functions)
+    return len(seen)
+
+
 def _record_matmul(
     func: Any,
     args: tuple,
@@ -806,6 +833,7 @@ def profile_model(
         fwd = float(flops_fwd.get_total_flops())
         flops_bwd = FlopCounterMode(display=False)
         with flops_bwd:
+            n_nodes = _count_nodes(loss)
             loss.backward()
         bwd = float(flops_bwd.get_total_flops())
     finally:
@@ -844,6 +872,7 @@ def profile_model(
         blocks_name=blocks_name,
         matmuls=matmuls,
         ew_count=ew_count[0],
+        n_nodes=n_nodes,
         model=meta,
         plan_model=_one_block_model(meta, blocks_name, blocks),
     )
@@ -918,6 +947,20 @@ def _state_split(profile: ModelProfile, tp: int, fsdp: bool) -> dict[str, tuple[
                 part[1] += local * elt
                 part[2] += local
         profile._tp_cache[key] = {k: tuple(v) for k, v in out.items()}
+    return profile._tp_cache[key]
+
+
+def _n_norm_params(profile: ModelProfile) -> int:
+    """Parameters of normalization layers (``*Norm*`` modules) inside the blocks."""
+    key = ("norms",)
+    if key not in profile._tp_cache:
+        n = 0
+        if profile.model is not None and profile.blocks_name:
+            blocks = profile.model.get_submodule(profile.blocks_name)
+            for m in blocks.modules():
+                if "norm" in type(m).__name__.lower():
+                    n += sum(1 for _ in m.parameters(recurse=False))
+        profile._tp_cache[key] = n
     return profile._tp_cache[key]
 
 
@@ -1058,9 +1101,12 @@ def estimate(
         3.0 * (ew_part(ew) - ew_b) * mb / bw,  # backward ~ 2x forward
     )
     per_op = device.dtensor_op_overhead if tp > 1 else device.op_overhead
+    per_node = device.dtensor_node_overhead if tp > 1 else device.node_overhead
+    # backward nodes split like the forward calls
+    nodes_block = profile.n_nodes * profile.block_ops / max(profile.n_ops, 1)
     overhead = (
-        (profile.block_ops * (1.5 if ac else 1.0)) * per_op,  # recompute: forward only
-        (profile.n_ops - profile.block_ops) * per_op,
+        profile.block_ops * (2 if ac else 1) * per_op + nodes_block * per_node,  # recompute
+        (profile.n_ops - profile.block_ops) * per_op + (profile.n_nodes - nodes_block) * per_node,
     )
 
     tp_block = tp_out = 0.0
@@ -1069,10 +1115,22 @@ def estimate(
         act_b = mb * profile.seq_len * profile.hidden * elt
         n_fwd = profile.n_row * (2 if ac else 1)
         n_bwd = profile.n_col_groups
-        tp_block = (n_fwd + n_bwd) * device.all_reduce(act_b, tp, tp)
+        dcall = device.dtensor_collective_overhead  # DTensor issues every TP collective
+        if sp:
+            # each all-reduce becomes a reduce-scatter and an all-gather (same ring
+            # steps, twice the calls), and the norms' weight gradients, computed from
+            # sequence shards, are all-reduced
+            per = 2 * (device.all_gather(act_b, tp, tp) + dcall)
+            norms = _n_norm_params(profile) * (device.all_reduce(4.0, tp, tp) + dcall)
+        else:
+            per = device.all_reduce(act_b, tp, tp) + dcall
+            norms = 0.0
+        tp_block = (n_fwd + n_bwd) * per + norms
         logits = mb * profile.seq_len * profile.vocab * elt
         vpe = 1 if profile.vocab_parallel_embedding else 0
-        tp_out = vpe * device.all_reduce(act_b, tp, tp) + device.all_gather(logits, tp, tp)
+        tp_out = vpe * (device.all_reduce(act_b, tp, tp) + dcall) + (
+            device.all_gather(logits, tp, tp) + dcall
+        )
         ring = (tp - 1) / tp
         tp_bytes = ((n_fwd + n_bwd + vpe) * 2 * act_b + logits) * ring * accum
     tp_comm = (tp_block, tp_out)
@@ -1100,8 +1158,9 @@ def estimate(
         span = lay.fsdp * tp
         groups = max(1, round(profile.n_blocks * wb)) + 1
         lk = device.link(span)
-        ag = (n - 1) / n * param_tp_local / lk.bandwidth + groups * (n - 1) * lk.latency
-        rs = (n - 1) / n * grad_tp_local / lk.bandwidth + groups * (n - 1) * lk.latency
+        call = (n - 1) * lk.latency + lk.call_latency
+        ag = (n - 1) / n * param_tp_local / lk.bandwidth + groups * call
+        rs = (n - 1) / n * grad_tp_local / lk.bandwidth + groups * call
         dp_per_micro = 2 * ag + rs
         dp_bytes = (n - 1) / n * (2 * param_tp_local + grad_tp_local) * accum
         if lay.dp > 1:
@@ -1112,7 +1171,7 @@ def estimate(
         lk = device.link(lay.world)
         buckets = max(1, math.ceil(grad_tp_local / ddp_bucket_bytes))
         dp_per_step = device.all_reduce(grad_tp_local, n, lay.world) + (
-            (buckets - 1) * 2 * (n - 1) * lk.latency
+            (buckets - 1) * (2 * (n - 1) * lk.latency + lk.call_latency)
         )
         dp_bytes = 2 * (n - 1) / n * grad_tp_local
 
@@ -1123,7 +1182,12 @@ def estimate(
     dp_exposed = max(dp_comm - hidden_by, 0.0) if dp_comm else 0.0
     n_param_tensors = len(profile.params)
     if pp > 1:
-        n_blk = sum(1 for n_, *_ in profile.params if n_.startswith(profile.blocks_name + "."))
+        if ("n_block_params",) not in profile._tp_cache:
+            prefix = profile.blocks_name + "."
+            profile._tp_cache[("n_block_params",)] = sum(
+                1 for n_, *_ in profile.params if n_.startswith(prefix)
+            )
+        n_blk = profile._tp_cache[("n_block_params",)]
         n_param_tensors = round(n_blk * wb) + (len(profile.params) - n_blk)
     dtensor_params = tp > 1 or fsdp_on
     per_param = (
@@ -1183,7 +1247,7 @@ def _host_cores() -> int:
         return os.cpu_count() or 1
 
 
-def _adamw_step_time(params: list[torch.Tensor], sync: Callable[[], None]) -> float:
+def _adamw_step_time(params: list[torch.Tensor], sync: Callable[[], None], repeats: int) -> float:
     """Seconds per parameter tensor of one AdamW step (one tensor at a time)."""
     for p in params:
         p.grad = torch.zeros_like(p)
@@ -1193,7 +1257,7 @@ def _adamw_step_time(params: list[torch.Tensor], sync: Callable[[], None]) -> fl
         opt.step()
         sync()
 
-    return _timed(step, 3) / len(params)
+    return _timed(step, 1, repeats) / len(params)
 
 
 def probe_device(
@@ -1209,12 +1273,16 @@ def probe_device(
 ) -> DeviceSpec:
     """Measure the device constants on this process group (a collective; ~2-5 s).
 
-    Measured: matmul FLOP/s by square size, memory-bound bandwidth by tensor size, the
-    host time per op of a chain of small layers (forward and backward) on plain tensors
-    and on DTensors, the time per parameter tensor of an AdamW step (plain and
-    DTensor), and the ring all-reduce bandwidth and latency of the whole group. Every
-    figure is the fastest of ``repeats`` timed batches after a warm-up, so time lost to
-    other processes on a shared machine does not enter.
+    Measured: matmul FLOP/s by square size and memory-bound bandwidth by tensor size
+    (both net of the host time of an empty call, which the per-op figure counts), the
+    host time per forward call and per backward autograd node of a chain of small layers
+    on plain tensors and on DTensors, the time per parameter tensor of an AdamW step (plain and
+    DTensor), and of the whole group the all-reduce bandwidth, the latency per ring
+    step and per call (a 4-byte all-reduce and all-gather) and what a DTensor
+    redistribution adds to a collective. Every
+    figure is the fastest of several short timed batches after a warm-up (``repeats``
+    for the collectives, four times as many, at least 20, for the per-device figures),
+    so time lost to other processes on a shared machine does not enter.
 
     On CPU, when the ranks of a node share its cores, one rank measures the per-device
     figures while the others wait (alone, as a rank that has a core to itself), and
@@ -1272,9 +1340,17 @@ def probe_device(
         dinp = distribute_tensor(inp, mesh, [Replicate()])
         dparams = [distribute_tensor(p, mesh, [Replicate()]) for p in opt_params]
 
+    def fwd(model: nn.Module, x: torch.Tensor) -> torch.Tensor:
+        out = model(x).sum()
+        sync()
+        return out
+
     def step(model: nn.Module, x: torch.Tensor) -> None:
         model(x).sum().backward()
         sync()
+
+    n_nodes = _count_nodes(chain(inp).sum())
+    host_repeats = max(4 * repeats, 20)  # short windows: the fastest finds a quiet moment
 
     figures: list[float] = []
     by_size: list[tuple[int, float]] = []
@@ -1282,6 +1358,19 @@ def probe_device(
     if turns:
         dist.barrier(group=group)
     if me:
+        # the host time of a call that computes nothing: the per-op overhead counts it,
+        # so the throughput figures leave it out
+        one = torch.ones(1, 1, device=dev)
+
+        def nop() -> None:
+            torch.mm(one, one)
+            sync()
+
+        t_call = _timed(nop, 50, host_repeats)
+
+        def net(t: float) -> float:
+            return max(t - t_call, 0.1 * t)
+
         for size in matmul_sizes:
             a = torch.randn(size, size, device=dev)
             b = torch.randn(size, size, device=dev)
@@ -1290,7 +1379,7 @@ def probe_device(
                 torch.mm(a, b)
                 sync()
 
-            t = _timed(mm, max(2, 2**22 // size**2), repeats)
+            t = net(_timed(mm, max(1, 2**20 // size**2), host_repeats))
             by_size.append((size, 2 * size**3 / t))
         for nbytes in (*copy_sizes, int(copy_mb * 2**20)):
             n = max(nbytes // 4, 1)
@@ -1301,24 +1390,40 @@ def probe_device(
                 torch.add(x, 1.0, out=y)
                 sync()
 
-            t = _timed(cp, max(3, 2**22 // nbytes), repeats)
+            t = net(_timed(cp, max(1, 2**20 // nbytes), host_repeats))
             copies.append((n * 4, 2 * n * 4 / t))
-        t_op = _timed(lambda: step(chain, inp), 5, repeats) / n_ops
-        t_dop = t_op
-        if dchain is not None:
-            t_dop = _timed(lambda: step(dchain, dinp), 3, repeats) / n_ops
-        t_opt = _adamw_step_time(opt_params, sync)
-        t_dopt = _adamw_step_time(dparams, sync) if dparams else t_opt
-        figures = [*(f for _, f in by_size), *(b for _, b in copies), t_op, t_dop, t_opt, t_dopt]
+
+        def host(model: nn.Module, x: torch.Tensor) -> tuple[float, float]:
+            t_f = _timed(lambda: fwd(model, x), 1, host_repeats)
+            t_fb = _timed(lambda: step(model, x), 1, host_repeats)
+            return t_f / n_ops, max(t_fb - t_f, 0.0) / n_nodes
+
+        t_op, t_node = host(chain, inp)
+        t_dop, t_dnode = host(dchain, dinp) if dchain is not None else (t_op, t_node)
+        t_opt = _adamw_step_time(opt_params, sync, host_repeats)
+        t_dopt = _adamw_step_time(dparams, sync, host_repeats) if dparams else t_opt
+        figures = [
+            *(f for _, f in by_size),
+            *(b for _, b in copies),
+            t_op,
+            t_dop,
+            t_opt,
+            t_dopt,
+            t_node,
+            t_dnode,
+        ]
     else:
         by_size = [(s, 0.0) for s in matmul_sizes]
         copies = [(max(n // 4, 1) * 4, 0.0) for n in (*copy_sizes, int(copy_mb * 2**20))]
-        figures = [0.0] * (len(by_size) + len(copies) + 4)
+        figures = [0.0] * (len(by_size) + len(copies) + 6)
     k, c = len(by_size), len(copies)
-    bw, lat = 1e12, 0.0
+    bw, lat, call, dcall = 1e12, 0.0, 0.0, 0.0
     if on and world > 1:
+        from torch.distributed.tensor import DTensor, Partial
+
         big = torch.ones(int(collective_mb * 2**20 / 4), device=dev)
         small = torch.ones(1, device=dev)
+        gathered = torch.empty(world, device=dev)
 
         def ar(t: torch.Tensor) -> Callable[[], None]:
             def f() -> None:
@@ -1327,31 +1432,47 @@ def probe_device(
 
             return f
 
+        def ag() -> None:
+            dist.all_gather_into_tensor(gathered, small, group=group)
+            sync()
+
+        def dt_ar() -> None:
+            DTensor.from_local(small, mesh, [Partial()]).redistribute(
+                mesh, [Replicate()]
+            ).to_local()
+            sync()
+
         dist.barrier(group=group)
         t_small = _timed(ar(small), 20, repeats)
+        t_ag = _timed(ag, 20, repeats)
         t_big = _timed(ar(big), 2, repeats)
-        lat = t_small / (2 * (world - 1))
+        t_dt = _timed(dt_ar, 10, repeats) if group is None else t_small
+        # an all-reduce is 2 (n-1) ring steps, an all-gather n-1, each call one launch:
+        # t_ar = call + 2 (n-1) lat, t_ag = call + (n-1) lat
+        lat = max(t_small - t_ag, 0.0) / (world - 1)
+        call = max(t_ag - (world - 1) * lat, 0.0)
+        dcall = max(t_dt - t_small, 0.0)
         nbytes = big.numel() * 4
-        bw = 2 * (world - 1) / world * nbytes / max(t_big - 2 * (world - 1) * lat, 1e-9)
+        bw = 2 * (world - 1) / world * nbytes / max(t_big - t_small, 1e-9)
     if on:
         # rates as they are, times negated: MIN keeps the slowest rank's figures
-        vals = [*figures[: k + c], *(-x for x in figures[k + c :]), bw, -lat]
+        vals = [*figures[: k + c], *(-x for x in figures[k + c :]), bw, -lat, -call, -dcall]
         f = torch.tensor(vals, dtype=torch.float64, device=dev)
         if turns:
             src = 0 if group is None else dist.get_global_rank(group, 0)
             # rank 0's per-device figures; the collective figures of the slowest rank
-            coll = f[-2:].clone()
+            coll = f[-4:].clone()
             dist.all_reduce(coll, op=dist.ReduceOp.MIN, group=group)
             dist.broadcast(f, src=src, group=group)
-            f[-2:] = coll
+            f[-4:] = coll
         else:
             dist.all_reduce(f, op=dist.ReduceOp.MIN, group=group)
         vals = f.cpu().tolist()
-        figures = [*vals[: k + c], *(-x for x in vals[k + c : -2])]
-        bw, lat = vals[-2], -vals[-1]
+        figures = [*vals[: k + c], *(-x for x in vals[k + c : -4])]
+        bw, lat, call, dcall = vals[-4], -vals[-3], -vals[-2], -vals[-1]
     by_size = [(s, figures[i]) for i, (s, _) in enumerate(by_size)]
     copies = [(s, figures[k + i]) for i, (s, _) in enumerate(copies)]
-    t_op, t_dop, t_opt, t_dopt = figures[k + c : k + c + 4]
+    t_op, t_dop, t_opt, t_dopt, t_node, t_dnode = figures[k + c : k + c + 6]
     if memory is None:
         if cuda:
             memory = float(torch.cuda.get_device_properties(dev).total_memory)
@@ -1361,15 +1482,18 @@ def probe_device(
         memory=memory,
         matmul_flops=max(f for _, f in by_size),
         copy_bandwidth=copies[-1][1],
-        links=(Link(0, bw, lat),),
+        links=(Link(0, bw, lat, call),),
         op_overhead=t_op,
         dtensor_op_overhead=t_dop,
+        node_overhead=t_node,
+        dtensor_node_overhead=t_dnode,
         overlap=(0.8 if cuda else 0.0) if overlap is None else overlap,
         device_type=dev.type,
         matmul_by_size=tuple(by_size),
         copy_by_size=tuple(copies),
         optimizer_param_overhead=t_opt,
         optimizer_dtensor_param_overhead=t_dopt,
+        dtensor_collective_overhead=dcall,
         cores=cores,
         ranks_per_node=local_ranks if not cuda else 0,
     )
