@@ -1,12 +1,16 @@
 """vescale.optim benchmarks on CPU ranks (gloo).
 
-1. ZeRO: ``DistributedOptimizer(AdamW)`` vs DDP-like plain replication (every rank runs
-   ``torch.optim.AdamW`` on the full parameters after an all-reduce of the gradients),
-   same parameters and gradients, alternating. Reports per-rank optimizer-state bytes
-   (+ master) against ``8 * P`` (replicated fp32 AdamW state) and step time. Also torch's
-   own ZeRO-1 peer, ``torch.distributed.optim.ZeroRedundancyOptimizer(AdamW)`` after the
-   same gradient all-reduce: step time ratio, state per rank, and the largest parameter
-   difference of the three sides after the same steps.
+1. ZeRO: ``DistributedOptimizer(AdamW)`` vs torch's own ZeRO-1 peer,
+   ``torch.distributed.optim.ZeroRedundancyOptimizer(AdamW)`` after DDP's gradient
+   all-reduce, and vs DDP-like plain replication (every rank runs ``torch.optim.AdamW``
+   on the full parameters after the same all-reduce); same parameters and per-rank
+   gradients, one step of each in turn, median step time over ``4 * --iters`` steps
+   (and the min-max spread). DistributedOptimizer runs twice: with the collectives it
+   picks for the backend (gloo: gradient all-reduce, broadcasts of the updated pieces)
+   and forced onto NCCL's (reduce-scatter + all-gather: what it ran on gloo before).
+   Reports bytes sent per rank per step (``CommDebugMode``), per-rank optimizer-state
+   bytes (+ master) against ``8 * P`` (replicated fp32 AdamW state), the ratios, and
+   the largest parameter difference between the sides after the same steps.
 2. Muon: ``vescale.optim.Muon`` (each matrix gathered to one load-balanced root rank)
    vs the naive approach where every rank all-gathers every matrix and runs
    Newton–Schulz on all of them. Reports step time and the ratio.
@@ -16,6 +20,7 @@
    ``--bucket-mb`` buckets and on with the same buckets. Same parameters afterwards.
 
     OMP_NUM_THREADS=1 python benchmarks/optim_bench.py --ranks 2 4 --mparams 4 --iters 5
+    OMP_NUM_THREADS=1 python benchmarks/optim_bench.py --parts zero --iters 10  # ZeRO only
 """
 
 from __future__ import annotations
@@ -40,8 +45,23 @@ def _time(fn, iters: int) -> float:
     return (time.perf_counter() - t0) / iters
 
 
+def _state_bytes(opt: torch.optim.Optimizer) -> int:
+    return sum(
+        v.numel() * v.element_size()
+        for st in opt.state.values()
+        for k, v in st.items()
+        if torch.is_tensor(v) and k != "step"
+    )
+
+
 def _zero_body(mparams: float, iters: int):
-    from vescale.dtensor import Replicate, distribute_tensor, init_device_mesh
+    """ZeRO-1 peers, each timed per step in turn (alternating), median over ``iters``."""
+    import statistics
+
+    from torch.distributed.optim import ZeroRedundancyOptimizer
+
+    from vescale.dtensor import Replicate, distribute_tensor, from_local, init_device_mesh
+    from vescale.dtensor.debug import CommDebugMode
     from vescale.optim import DistributedOptimizer
 
     n = dist.get_world_size()
@@ -51,84 +71,90 @@ def _zero_body(mparams: float, iters: int):
     shapes = [(rows, width)] * 8 + [(width,)] * 4
     torch.manual_seed(0)
     full = [torch.randn(s) * 0.02 for s in shapes]
+    torch.manual_seed(1 + dist.get_rank())  # every rank its own gradient (its data)
     grads = [torch.randn(s) for s in shapes]
     P = sum(t.numel() for t in full)
 
-    # ours
-    ps = [torch.nn.Parameter(distribute_tensor(t, mesh, [Replicate()])) for t in full]
-    opt = DistributedOptimizer(ps, torch.optim.AdamW, mesh=mesh, dp_dim="dp", lr=1e-3, zero_stage=1)
+    def vescale_side(paths):
+        # distribute_tensor may keep the local tensor's storage: one copy per side
+        ps = [torch.nn.Parameter(distribute_tensor(t.clone(), mesh, [Replicate()])) for t in full]
+        opt = DistributedOptimizer(
+            ps, torch.optim.AdamW, mesh=mesh, dp_dim="dp", lr=1e-3, zero_stage=1
+        )
+        if paths is not None:
+            opt._plan_paths(paths)  # force NCCL's collectives (this backend's old path)
+        dgrads = [from_local(g, mesh, [Replicate()]) for g in grads]  # this rank's term
 
-    def ours():
-        for p, g in zip(ps, grads):
-            p.grad = distribute_tensor(g, mesh, [Replicate()], src_data_rank=None)
-        opt.step()
+        def step():
+            for p, g in zip(ps, dgrads):
+                p.grad = g
+            opt.step()
 
-    # DDP-like baseline: all-reduce (avg) every gradient, full AdamW on every rank
-    bs = [torch.nn.Parameter(t.clone()) for t in full]
-    base_opt = torch.optim.AdamW(bs, lr=1e-3)
+        return step, opt, lambda: [p.full_tensor() for p in ps]
 
-    def base():
-        flat = torch.cat([g.reshape(-1) for g in grads])
-        dist.all_reduce(flat)
-        flat /= n
-        for b, piece in zip(bs, flat.split([g.numel() for g in grads])):
-            b.grad = piece.view(b.shape)
-        base_opt.step()
+    ours, opt, ours_params = vescale_side(None)
+    rsag, opt_rsag, rsag_params = vescale_side("nccl")
 
     # torch's peer: ZeroRedundancyOptimizer(AdamW) (ZeRO-1: each rank steps its shard of
-    # the parameters, then broadcasts it) after the same gradient all-reduce as DDP
-    from torch.distributed.optim import ZeroRedundancyOptimizer
-
+    # the parameters, then broadcasts it) after DDP's gradient all-reduce (average) of
+    # the gradients packed into one bucket
     zs = [torch.nn.Parameter(t.clone()) for t in full]
     zero_opt = ZeroRedundancyOptimizer(zs, optimizer_class=torch.optim.AdamW, lr=1e-3)
 
     def zero():
         flat = torch.cat([g.reshape(-1) for g in grads])
-        dist.all_reduce(flat)
-        flat /= n
+        dist.all_reduce(flat, op=dist.ReduceOp.AVG)
         for z, piece in zip(zs, flat.split([g.numel() for g in grads])):
             z.grad = piece.view(z.shape)
         zero_opt.step()
 
-    t_ours, t_base, t_zero = [], [], []
-    for _ in range(2):  # alternate
-        t_ours.append(_time(ours, iters))
-        t_base.append(_time(base, iters))
-        t_zero.append(_time(zero, iters))
+    # DDP-like baseline: the same all-reduce, full AdamW on every rank
+    bs = [torch.nn.Parameter(t.clone()) for t in full]
+    base_opt = torch.optim.AdamW(bs, lr=1e-3)
+
+    def base():
+        flat = torch.cat([g.reshape(-1) for g in grads])
+        dist.all_reduce(flat, op=dist.ReduceOp.AVG)
+        for b, piece in zip(bs, flat.split([g.numel() for g in grads])):
+            b.grad = piece.view(b.shape)
+        base_opt.step()
+
+    sides = {"ours": ours, "rsag": rsag, "zero": zero, "base": base}
+    sent = {}
+    for k, fn in sides.items():  # warm-up step (creates the state), bytes counted
+        with CommDebugMode() as comm:
+            fn()
+        sent[k] = comm.get_total_bytes()
+    times: dict[str, list[float]] = {k: [] for k in sides}
+    for _ in range(iters):  # alternate, one step each
+        for k, fn in sides.items():
+            dist.barrier()
+            t0 = time.perf_counter()
+            fn()
+            times[k].append(time.perf_counter() - t0)
     # every side ran the same steps on the same gradients: same parameters
-    max_diff = max(
-        max((p.full_tensor() - b).abs().max().item(), (z - b).abs().max().item())
-        for p, b, z in zip(ps, bs, zs)
-    )
-    state_zero = sum(
-        v.numel() * v.element_size()
-        for st in zero_opt.optim.state.values()
-        for k, v in st.items()
-        if torch.is_tensor(v) and k != "step"
-    )
+    ref = [b.detach() for b in bs]
+    diffs = {
+        k: max((a - b).abs().max().item() for a, b in zip(side, ref))
+        for k, side in (
+            ("ours", ours_params()),
+            ("rsag", rsag_params()),
+            ("zero", [z.detach() for z in zs]),
+        )
+    }
+    max_diff = max(diffs.values())
     gathered = [None] * n  # ZeroRedundancyOptimizer's shards are uneven: report the largest
-    dist.all_gather_object(gathered, state_zero)
-    state_ours = sum(
-        v.numel() * v.element_size()
-        for st in opt.state.values()
-        for k, v in st.items()
-        if torch.is_tensor(v) and k != "step"
-    )
-    state_base = sum(
-        v.numel() * v.element_size()
-        for st in base_opt.state.values()
-        for k, v in st.items()
-        if torch.is_tensor(v) and k != "step"
-    )
+    dist.all_gather_object(gathered, _state_bytes(zero_opt.optim))
     return {
         "P": P,
-        "ours_s": min(t_ours),
-        "base_s": min(t_base),
-        "zero_s": min(t_zero),
-        "state_ours": state_ours,
-        "state_base": state_base,
+        **{f"{k}_s": statistics.median(v) for k, v in times.items()},
+        **{f"{k}_spread": (min(v), max(v)) for k, v in times.items()},
+        **{f"{k}_sent": v for k, v in sent.items()},
+        "state_ours": _state_bytes(opt),
+        "state_base": _state_bytes(base_opt),
         "state_zero": max(gathered),
         "max_param_diff": max_diff,
+        "diffs": diffs,
     }
 
 
@@ -257,26 +283,47 @@ def main() -> None:
     ap.add_argument("--mparams", type=float, default=4.0, help="millions of parameters (ZeRO)")
     ap.add_argument("--muon-dim", type=int, default=256)
     ap.add_argument("--muon-mats", type=int, default=8)
-    ap.add_argument("--iters", type=int, default=5)
+    ap.add_argument("--iters", type=int, default=5, help="timed steps (ZeRO: 4x as many)")
     ap.add_argument("--layers", type=int, default=8, help="layers of the overlap model")
     ap.add_argument("--batch", type=int, default=256, help="rows per rank (overlap forward)")
     ap.add_argument("--bucket-mb", type=float, default=1.0, help="overlap bucket size")
+    ap.add_argument(
+        "--parts",
+        nargs="+",
+        default=["zero", "muon", "overlap"],
+        choices=["zero", "muon", "overlap"],
+    )
     args = ap.parse_args()
     rows = []
     for n in args.ranks:
-        z = run_on_ranks(_zero_body, n, args.mparams, args.iters, timeout=900)[0]
-        m = run_on_ranks(_muon_body, n, args.muon_dim, args.muon_mats, args.iters, timeout=900)[0]
-        o = run_on_ranks(
-            _overlap_body,
-            n,
-            args.mparams,
-            args.layers,
-            args.batch,
-            args.iters,
-            args.bucket_mb,
-            timeout=900,
-        )[0]
+        z = m = o = None
+        if "zero" in args.parts:
+            z = run_on_ranks(_zero_body, n, args.mparams, 4 * args.iters, timeout=900)[0]
+        if "muon" in args.parts:
+            m = run_on_ranks(_muon_body, n, args.muon_dim, args.muon_mats, args.iters, timeout=900)[
+                0
+            ]
+        if "overlap" in args.parts:
+            o = run_on_ranks(
+                _overlap_body,
+                n,
+                args.mparams,
+                args.layers,
+                args.batch,
+                args.iters,
+                args.bucket_mb,
+                timeout=900,
+            )[0]
         rows.append((n, z, m, o))
+    if "zero" in args.parts:
+        _print_zero(rows, args)
+    if "muon" in args.parts:
+        _print_muon(rows, args)
+    if "overlap" in args.parts:
+        _print_overlap(rows, args)
+
+
+def _print_zero(rows, args) -> None:
     print()
     print("ZeRO (DistributedOptimizer(AdamW), fp32) vs DDP-like replicated torch AdamW")
     print(
@@ -302,30 +349,44 @@ def main() -> None:
         )
     print()
     print(
-        "ZeRO-1 peers: DistributedOptimizer(AdamW) (reduce-scatter, sharded step, all-gather) vs "
-        "torch ZeroRedundancyOptimizer(AdamW) (all-reduce, sharded step, broadcasts); both send "
-        "about 2 (N-1)/N of the fp32 gradient bytes for the gradients"
+        "ZeRO-1 peers, fp32 AdamW, median step over "
+        f"{4 * args.iters} alternating steps (min-max): DistributedOptimizer (gloo: gradient "
+        "all-reduce + broadcasts of the updated pieces; 'RS+AG': NCCL's reduce-scatter + "
+        "all-gather, forced) vs torch ZeroRedundancyOptimizer after DDP's gradient "
+        "all-reduce; bytes sent per rank per step as CommDebugMode counts them"
     )
     print(
-        f"{'ranks':>5} {'state/rank ours':>16} {'state/rank ZeRO':>16} {'step ours':>10} "
-        f"{'step ZeRO':>10} {'time ratio':>10} {'max |param diff|':>17}"
+        f"{'ranks':>5} {'sent ours':>11} {'sent ZeRO':>11} {'state ours':>11} "
+        f"{'state ZeRO':>11} {'step ours':>20} {'step RS+AG':>20} {'step ZeRO':>20} "
+        f"{'ours/ZeRO':>9} {'RS+AG/ZeRO':>10} {'max |diff|':>10}"
     )
+
+    def cell(z, k):
+        lo, hi = z[f"{k}_spread"]
+        return f"{z[f'{k}_s'] * 1e3:.1f}ms ({lo * 1e3:.0f}-{hi * 1e3:.0f})"
+
     for n, z, _, _ in rows:
         print(
-            f"{n:>5} {z['state_ours']:>16,} {z['state_zero']:>16,} {z['ours_s'] * 1e3:>8.1f}ms "
-            f"{z['zero_s'] * 1e3:>8.1f}ms {z['ours_s'] / z['zero_s']:>10.2f} "
-            f"{z['max_param_diff']:>17.2e}"
+            f"{n:>5} {human_bytes(z['ours_sent']):>11} {human_bytes(z['zero_sent']):>11} "
+            f"{human_bytes(z['state_ours']):>11} {human_bytes(z['state_zero']):>11} "
+            f"{cell(z, 'ours'):>20} {cell(z, 'rsag'):>20} {cell(z, 'zero'):>20} "
+            f"{z['ours_s'] / z['zero_s']:>9.2f} {z['rsag_s'] / z['zero_s']:>10.2f} "
+            f"{z['max_param_diff']:>10.1e}"
         )
         emit(
             "optimizer",
             f"DistributedOptimizer(AdamW) vs torch ZeroRedundancyOptimizer(AdamW), N={n}",
-            "ms per step (gradient sync + sharded step + parameter sync)",
+            "median ms per step (gradient sync + sharded step + parameter sync)",
             z["ours_s"] * 1e3,
             z["zero_s"] * 1e3,
             unit="ms",
+            comm=f"{human_bytes(z['ours_sent'])} (torch {human_bytes(z['zero_sent'])})",
             memory=f"{human_bytes(z['state_ours'])} (torch {human_bytes(z['state_zero'])})",
             target="≤ 1 (no slower at equal bytes)",
         )
+
+
+def _print_muon(rows, args) -> None:
     print()
     print(
         f"Muon ({args.muon_mats} matrices, dim {args.muon_dim}, Shard(0)): root-rank vs every-rank-gathers-every-matrix"
@@ -344,6 +405,9 @@ def main() -> None:
             unit="ms",
             target="< 1",
         )
+
+
+def _print_overlap(rows, args) -> None:
     print()
     print(
         f"Overlap: step() + next forward, {args.layers} layers, batch {args.batch}/rank "

@@ -73,8 +73,10 @@ def _loss(model, mesh, step: int) -> torch.Tensor:
     return (model(x[r * per : (r + 1) * per]) - y[r * per : (r + 1) * per]).pow(2).mean()
 
 
-def _run(mesh_shape, steps=5, **opt_kw):
+def _run(mesh_shape, steps=5, gather=None, **opt_kw):
     mesh, model, opt = _setup(mesh_shape, **opt_kw)
+    if gather is not None:  # force a parameter-gather path
+        opt._plan_paths(gather=gather)
     losses = []
     for s in range(steps):
         loss = _loss(model, mesh, s)
@@ -117,6 +119,15 @@ def _check_same_training(mesh_shape):
 @distributed(2)
 def test_overlap_matches_no_overlap_2_ranks():
     _check_same_training((2,))
+    # the other gather paths (one all-gather; one broadcast per piece, in place, still
+    # in flight while the earlier layers run forward) move the same bytes
+    mb = {"bucket_cap_mb": ONE_LAYER_PER_BUCKET_MB}
+    _, off_params, _ = _run((2,), **mb)
+    for gather in ("all_gather", "pieces"):
+        losses, params, on = _run((2,), gather=gather, overlap_param_gather=True, **mb)
+        assert on.param_gather_waits["forward"] == 4 * on.num_buckets
+        for a, b in zip(params, off_params):
+            assert torch.equal(a, b), gather
 
 
 @pytest.mark.parametrize("mesh_shape", [(4,), (2, 2)], ids=["dp4", "dp2xtp2"])

@@ -89,7 +89,7 @@ def _reference(opt_name: str, steps: int, dp: int, clip: float | None, dtype=tor
     return ref, opt, norms
 
 
-def _run(dp, tp, opt_name, clip, bf16=False, steps=5):
+def _run(dp, tp, opt_name, clip, bf16=False, steps=5, paths=None):
     mesh = _mesh(dp, tp)
     cls, kw = OPTIMS[opt_name]
     dtype = torch.bfloat16 if bf16 else torch.float32
@@ -98,6 +98,8 @@ def _run(dp, tp, opt_name, clip, bf16=False, steps=5):
     opt = DistributedOptimizer(
         params, cls, mesh=mesh, dp_dim="dp", clip_grad_norm=clip, **extra, **kw
     )
+    if paths is not None:  # (backend, gather): force a communication path
+        opt._plan_paths(*paths)
     norms = []
     for s in range(steps):
         _set_grads(mesh, params, s, dp, dtype)
@@ -163,12 +165,26 @@ def test_dp4_and_tp_matches_torch(dp, tp, opt_name, clip):
     local = sum(s.numel() for s in opt.local_shards())
     total = sum(p.to_local().numel() for p in params)
     assert local <= total // dp + 1
+    if clip is not None and opt_name == "adamw":
+        # gloo picks all-reduce + broadcasts; NCCL's reduce-scatter + all-gather and
+        # the in-place per-piece broadcasts give the same training
+        assert [b.gather for b in opt._buckets] == ["slices"]
+        for paths in (("nccl", None), ("gloo", "pieces")):
+            _, params2, opt2, norms2 = _run(dp, tp, opt_name, clip, paths=paths)
+            for p, r in zip(params2, ref):
+                torch.testing.assert_close(p.full_tensor(), r.detach(), rtol=1e-5, atol=1e-6)
+            _check_state(opt2, ref_opt, ref, opt_name)
+            for a, b in zip(norms2, ref_norms):
+                assert abs(a - b) <= 1e-6 * abs(b), (a, b)
 
 
 @pytest.mark.parametrize("clip", [None, 0.5])
 @distributed(4)
 def test_bf16_params_fp32_master(clip):
-    mesh, params, opt, norms = _run(2, 2, "adamw", clip, bf16=True)
+    # with clipping: the in-place per-piece broadcasts (the masters are cast into the
+    # parameters first); without: gloo's default for small buckets
+    paths = ("gloo", "pieces") if clip is not None else None
+    mesh, params, opt, norms = _run(2, 2, "adamw", clip, bf16=True, paths=paths)
     # the reference sees the same bf16-rounded per-rank gradients
     ref, ref_opt, ref_norms = _reference_bf16_grads(clip)
     sd = opt.state_dict()

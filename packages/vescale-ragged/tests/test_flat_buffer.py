@@ -69,6 +69,35 @@ def _check_buffers(mesh, mesh_dim, weights=None, order="given"):
             assert fb.extra_copy_bytes == 0
         if n == 1:
             assert fb.all_gather() is fb.local
+        # the same gather as broadcasts (gloo's fast path): from a separate slice (one
+        # copy in), or packed in place (no copy)
+        for in_place in (False, True):
+            out2 = torch.full_like(out, -99)
+            a, b = layout.rank_ranges[r]
+            src = out2[a:b] if in_place else fb.local.clone()
+            if in_place:
+                src.copy_(fb.local)
+            fb.extra_copy_bytes = 0
+            work = fb.broadcast_slices(out2, src=src, async_op=True)
+            assert work.wait() is out2
+            assert fb.extra_copy_bytes == (0 if in_place or a == b else (b - a) * item)
+            for name, v in fb.full_views(out2).items():
+                assert torch.equal(v, dense[name]), name
+        # ... and one broadcast per piece, straight into per-parameter tensors that hold
+        # only this rank's pieces
+        dst = {}
+        for name in layout.names:
+            t = torch.full((layout[name].numel,), -99, dtype=layout.dtype)
+            lo, hi = layout.piece(name, r)
+            off = layout[name].offset
+            t[lo - off : hi - off] = fb.local_view(name).reshape(-1)
+            dst[name] = t
+        assert fb.broadcast_pieces(dst) is None
+        assert fb.num_pieces() == sum(
+            1 for name in layout.names for q in range(n) if len(range(*layout.piece(name, q)))
+        )
+        for name in layout.names:
+            assert torch.equal(dst[name].view(dense[name].shape), dense[name]), name
         # reduce-scatter: each rank's gradients are (rank + 1) * grads
         gflat = fb.new_full_buffer(zero=True)
         for name, v in fb.full_views(gflat).items():

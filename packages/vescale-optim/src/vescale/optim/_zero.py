@@ -9,6 +9,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 import torch
+import torch.distributed as dist
 from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor, Partial, Placement, Replicate
@@ -91,6 +92,12 @@ def _check_optimizer_cls(cls: Any) -> None:
 #: Bucket size used by ``overlap_param_gather=True`` when ``bucket_cap_mb`` is not given.
 DEFAULT_OVERLAP_BUCKET_MB = 25.0
 
+#: On gloo, the average parameter piece (bytes) from which one broadcast per piece,
+#: straight into the parameters, beats one broadcast per rank slice plus the copies
+#: in and out of a flat buffer (a gloo broadcast costs ~0.2-0.4 ms on 2-4 CPU ranks,
+#: the time to copy ~2 MB at this machine's ~7 GB/s).
+_PIECE_BROADCAST_BYTES = 1 << 20
+
 
 @dataclass
 class _ParamInfo:
@@ -119,6 +126,10 @@ class _Bucket:
     # [start, stop) of the padding inside this rank's slice (zeroed in what it sends)
     slice_padding: list[tuple[int, int]] = field(default_factory=list)
     pending: Any = field(default=None, repr=False)  # FlatWork of the parameter all-gather
+    # how the updated slices travel: "all_gather" (one collective), "slices" (one
+    # broadcast per rank into a flat buffer) or "pieces" (one broadcast per parameter
+    # piece, in place); see DistributedOptimizer._plan_paths
+    gather: str = "all_gather"
 
 
 def _waiting_hook(ref: weakref.ReferenceType, buckets: tuple[int, ...], reason: str):
@@ -333,6 +344,7 @@ class DistributedOptimizer(torch.optim.Optimizer):
             for p in g["params"]:
                 self._infos.append(self._check_param(p, names[id(p)], len(self._infos)))
         self._buckets = self._plan_buckets()
+        self._plan_paths()
 
         inner_groups = []
         k = 0
@@ -469,6 +481,42 @@ class DistributedOptimizer(torch.optim.Optimizer):
             buckets.append(b)
         return buckets
 
+    def _plan_paths(self, backend: str | None = None, gather: str | None = None) -> None:
+        """Pick the collectives of each bucket for the dp group's backend.
+
+        NCCL (and any backend but gloo): one reduce-scatter and one all-gather per
+        bucket. gloo: its reduce-scatter runs an all-reduce internally and its
+        all-gather stages through a second buffer, so the gradients are all-reduced
+        (the average lands in the whole buffer, this rank keeps its slice) and the
+        updated slices travel as broadcasts, the way torch's
+        ``ZeroRedundancyOptimizer`` moves them: one per parameter piece, straight
+        into the parameters, when the pieces average at least
+        ``_PIECE_BROADCAST_BYTES`` (no copy at all); else one per rank slice into a
+        flat buffer. Every path moves the same elements to the same places.
+
+        Args:
+            backend: Override the detected backend (tests use it to run each path).
+            gather: Override every bucket's gather path (``"all_gather"``,
+                ``"slices"`` or ``"pieces"``; tests).
+        """
+        if backend is None:
+            backend = (
+                dist.get_backend(self.mesh.get_group(self.dp_dim)) if self.dp_size > 1 else "none"
+            )
+        self._reduce_by_all_reduce = backend == "gloo"
+        for b in self._buckets:
+            if backend != "gloo":
+                b.gather = "all_gather"
+                continue
+            nbytes = b.fb.layout.numel * b.dtype.itemsize
+            pieces = max(1, b.fb.num_pieces())
+            b.gather = "pieces" if nbytes / pieces >= _PIECE_BROADCAST_BYTES else "slices"
+        if gather is not None:
+            if gather not in ("all_gather", "slices", "pieces"):
+                raise ValueError(f"unknown gather path {gather!r}")
+            for b in self._buckets:
+                b.gather = gather
+
     def _register_hooks(self, model: nn.Module) -> None:
         """Forward pre-hooks (and model state-dict pre-hooks) that wait for the buckets."""
         by_id = {id(i.param): i for i in self._infos}
@@ -577,7 +625,12 @@ class DistributedOptimizer(torch.optim.Optimizer):
                     view.zero_()
                 else:
                     view.copy_(self._local_grad(info, g))
-            mine = fb.reduce_scatter(flat, op="avg")
+            if self._reduce_by_all_reduce:
+                a, e = fb.layout.rank_ranges[fb.rank]
+                # keep only this rank's slice alive (the ZeRO-2 memory promise)
+                mine = fb.all_reduce(flat, op="avg")[a:e].clone()
+            else:
+                mine = fb.reduce_scatter(flat, op="avg")
             for info, hg in zip(bucket.params, has_grad):
                 if hg:
                     info.shard.grad = fb.local_view(str(info.index), mine).to(info.shard.dtype)
@@ -592,15 +645,37 @@ class DistributedOptimizer(torch.optim.Optimizer):
             if bucket.pending is not None:  # never two gathers in flight for one bucket
                 self._wait_bucket(bucket, "step")
             fb = bucket.fb
-            if self.master_dtype is not None:
+            if bucket.gather == "pieces":
+                # the parameters are the destination: this rank's pieces go in place
+                # first (the inner optimizer already updated them without masters)
+                if self.master_dtype is not None:
+                    for info in bucket.params:
+                        local_of(info.param).detach().view(-1)[info.lo : info.hi].copy_(
+                            info.shard.detach()
+                        )
+                dst = {str(i.index): local_of(i.param).detach().view(-1) for i in bucket.params}
+                bucket.pending = fb.broadcast_pieces(dst, async_op=True)
+                continue
+            out = None
+            if bucket.gather == "slices":
+                out = fb.new_full_buffer(dtype=bucket.dtype)
+                a, e = fb.layout.rank_ranges[fb.rank]
+                src = out[a:e]  # packed in place: broadcast_slices copies nothing
+                if self.master_dtype is not None:
+                    src.copy_(fb.local.detach())
+            elif self.master_dtype is not None:
                 src = fb.local.detach().to(bucket.dtype)
             else:
                 src = fb.new_slice(dtype=bucket.dtype)
+            if self.master_dtype is None:
                 for info in bucket.params:
                     fb.local_view(str(info.index), src).copy_(info.shard.detach())
             for a, e in bucket.slice_padding:
                 src[a:e].zero_()
-            bucket.pending = fb.all_gather(src=src, async_op=True)
+            if out is not None:
+                bucket.pending = fb.broadcast_slices(out, src=src, async_op=True)
+            else:
+                bucket.pending = fb.all_gather(src=src, async_op=True)
 
     def _wait_bucket(self, bucket: _Bucket, reason: str) -> None:
         handle = bucket.pending
@@ -608,10 +683,13 @@ class DistributedOptimizer(torch.optim.Optimizer):
             return
         bucket.pending = None
         full = handle.wait()
-        # the unsharded buffer: every param's elements are contiguous in it
-        with torch.no_grad():
-            for info in bucket.params:
-                local_of(info.param).view(-1).copy_(full[info.offset : info.offset + info.numel])
+        if full is not None:  # None: the pieces were broadcast into the parameters
+            # the unsharded buffer: every param's elements are contiguous in it
+            with torch.no_grad():
+                for info in bucket.params:
+                    local_of(info.param).view(-1).copy_(
+                        full[info.offset : info.offset + info.numel]
+                    )
         self.param_gather_waits[reason] += 1
 
     def _wait_buckets(self, indices: tuple[int, ...], reason: str) -> None:
