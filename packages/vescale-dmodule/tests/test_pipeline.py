@@ -9,6 +9,8 @@ mean). Parameter names of the stages are the unmodified model's.
 
 from __future__ import annotations
 
+import contextlib
+
 import pytest
 import torch
 import torch.distributed as dist
@@ -23,20 +25,28 @@ from vescale.dmodule import (
 )
 from vescale.dmodule.testing import GPT, GPTConfig
 from vescale.dtensor import DTensor, init_device_mesh
+from vescale.dtensor.random import data_parallel_rng
 from vescale.dtensor.testing import distributed
+from vescale.optim import DistributedOptimizer, Muon
 
 BATCH, SEQ, STEPS, LR = 8, 8, 2, 1e-3
 
 
-def _cfg(n_layer: int = 4) -> GPTConfig:
+def _cfg(n_layer: int = 4, dropout: float = 0.0) -> GPTConfig:
     return GPTConfig(
-        vocab_size=64, block_size=SEQ, n_layer=n_layer, n_head=2, n_embd=16, tie_embeddings=False
+        vocab_size=64,
+        block_size=SEQ,
+        n_layer=n_layer,
+        n_head=2,
+        n_embd=16,
+        tie_embeddings=False,
+        dropout=dropout,
     )
 
 
-def _model(n_layer: int = 4) -> GPT:
+def _model(n_layer: int = 4, dropout: float = 0.0) -> GPT:
     torch.manual_seed(0)
-    return GPT(_cfg(n_layer))
+    return GPT(_cfg(n_layer, dropout))
 
 
 def _loss(out: torch.Tensor, tgt: torch.Tensor) -> torch.Tensor:
@@ -67,18 +77,33 @@ def _check(
     clip: float | None = None,
     n_layer: int = 4,
     split_points=None,
-    dp_dim: str | None = None,
+    dp_dim: str | tuple[str, ...] | None = None,
+    optimizer=None,
+    dropout: float = 0.0,
 ):
-    """Train single-device and pipelined side by side; compare losses, norms, parameters."""
-    ref = _model(n_layer)
-    ref_opt = torch.optim.AdamW(ref.parameters(), lr=LR)
+    """Train single-device and pipelined side by side; compare losses, norms, parameters.
+
+    ``optimizer(module, submesh)`` builds the optimizer of both runs (the single-device
+    model with ``submesh=None``; default AdamW). ``dp_dim``: the data-parallel mesh
+    dim(s) splitting the batch (row-major over several). With ``dropout``, both runs
+    start from one ``torch.manual_seed`` (each keeps its own generator state) and the
+    pipelined masks must be the single-device run's on the whole batch.
+    """
+    make_opt = optimizer or (lambda m, _sub: torch.optim.AdamW(m.parameters(), lr=LR))
+    ref = _model(n_layer, dropout)
+    ref_opt = make_opt(ref, None)
     data = _data()
-    dp_n = mesh.size(mesh.mesh_dim_names.index(dp_dim)) if dp_dim else 1
-    dp_r = mesh.get_local_rank(dp_dim) if dp_dim else 0
+    dp_dims = (dp_dim,) if isinstance(dp_dim, str) else tuple(dp_dim or ())
+    dp_n, dp_r = 1, 0
+    for d in dp_dims:
+        dp_n, dp_r = (
+            dp_n * mesh.size(mesh.mesh_dim_names.index(d)),
+            dp_r * mesh.size(mesh.mesh_dim_names.index(d)) + mesh.get_local_rank(d),
+        )
     k = BATCH // dp_n
 
     pp = pipeline_parallelize(
-        _model(n_layer),
+        _model(n_layer, dropout),
         mesh,
         example_inputs=(data[0][0][:k],),
         loss_fn=_loss,
@@ -91,12 +116,22 @@ def _check(
     names = [n for n, _ in pp.named_parameters()]
     ref_names = dict(ref.named_parameters())
     assert names and set(names) <= set(ref_names), names  # unmodified model's names
-    opt = torch.optim.AdamW(pp.parameters(), lr=LR)
+    opt = make_opt(pp.module, pp.submesh)
+    assert pp.single_device_rng == (dropout > 0)
+    torch.manual_seed(1234)
+    ref_rng = pp_rng = torch.get_rng_state()
     for idx, tgt in data:
+        torch.set_rng_state(ref_rng)
         ref_opt.zero_grad()
         ref_loss = _loss(ref(idx), tgt)
         ref_loss.backward()
-        loss = pp.step(idx[dp_r * k : (dp_r + 1) * k], target=tgt[dp_r * k : (dp_r + 1) * k])
+        ref_rng = torch.get_rng_state()
+        torch.set_rng_state(pp_rng)
+        with data_parallel_rng(mesh, dp_dims) if dp_dims else contextlib.nullcontext():
+            loss = pp.step(idx[dp_r * k : (dp_r + 1) * k], target=tgt[dp_r * k : (dp_r + 1) * k])
+        pp_rng = torch.get_rng_state()
+        # the generator stands where one device's does, on every rank
+        assert torch.equal(pp_rng, ref_rng)
         if clip is not None:
             ref_norm = torch.nn.utils.clip_grad_norm_(ref.parameters(), clip)
             norm = pp.clip_grad_norm_(clip)
@@ -106,9 +141,9 @@ def _check(
         opt.zero_grad()
         if pp.has_last_stage:
             assert loss is not None
-            if dp_dim:
-                dist.all_reduce(loss, group=mesh.get_group(dp_dim))
-                loss = loss / dp_n
+            for d in dp_dims:
+                dist.all_reduce(loss, group=mesh.get_group(d))
+            loss = loss / dp_n
             torch.testing.assert_close(loss, ref_loss.detach(), atol=1e-5, rtol=1e-5)
         else:
             assert loss is None
@@ -129,7 +164,8 @@ def _check(
 @distributed(4)
 def test_pp4_and_pp2_schedules_match_single_device():
     mesh = init_device_mesh("cpu", (4,), mesh_dim_names=("pp",))
-    pp = _check(mesh, schedule="1f1b", microbatches=4, clip=0.5)
+    # dropout: each stage's masks are the single-device ones of the whole batch
+    pp = _check(mesh, schedule="1f1b", microbatches=4, clip=0.5, dropout=0.1)
     assert pp.split_points == ["blocks.1", "blocks.2", "blocks.3"]
     assert pp.stage_indices == [dist.get_rank()]
     # pp=2 (x dp=2, plain replicas kept in sync by DDP) with GPipe and explicit split points
@@ -140,12 +176,28 @@ def test_pp4_and_pp2_schedules_match_single_device():
         microbatches=2,
         split_points=["blocks.3"],
         dp_dim="dp",
+        dropout=0.1,  # inside data_parallel_rng: micro-batch of this rank's part
         parallelize=lambda m, sub: parallelize_module(m, sub, {}, data_parallel={"dp": "ddp"}),
     )
     first = {n for n, _ in pp.named_parameters()}
     if pp.has_first_stage:
         assert "wte.weight" in first and "blocks.2.mlp.fc2.weight" in first
         assert "blocks.3.ln_1.weight" not in first and "lm_head.weight" not in first
+    # pp=2 x dp=2 with ZeRO: DistributedOptimizer over each stage's (dp-replicated)
+    # DTensor parameters, gradients clipped by the whole model's norm first
+    _check(
+        mesh,
+        schedule="1f1b",
+        microbatches=2,
+        dp_dim="dp",
+        clip=0.5,
+        parallelize=lambda m, sub: parallelize_module(m, sub, {}),
+        optimizer=lambda m, sub: (
+            torch.optim.AdamW(m.parameters(), lr=LR)
+            if sub is None
+            else DistributedOptimizer(m, torch.optim.AdamW, mesh=sub, dp_dim="dp", lr=LR)
+        ),
+    )
 
 
 @distributed(4)
@@ -157,9 +209,12 @@ def test_pp_x_fsdp_and_interleaved_pp_x_tp():
         microbatches=2,
         dp_dim="dp",
         clip=0.5,
-        parallelize=lambda m, sub: parallelize_module(m, sub, {}, data_parallel={"dp": "fsdp"}),
+        parallelize=lambda m, sub: parallelize_module(
+            m, sub, {}, data_parallel={"dp": "fsdp"}, activation_checkpointing=True
+        ),
     )
-    # interleaved 1F1B: 4 stages on 2 pp ranks, each stage tensor(+sequence)-parallel
+    # interleaved 1F1B: 4 stages on 2 pp ranks, each stage tensor(+sequence)-parallel,
+    # trained by Muon (its matrices orthogonalized on a root rank of the stage's mesh)
     mesh = init_device_mesh("cpu", (2, 2), mesh_dim_names=("pp", "tp"))
     pp = _check(
         mesh,
@@ -167,6 +222,7 @@ def test_pp_x_fsdp_and_interleaved_pp_x_tp():
         microbatches=2,
         clip=0.5,
         parallelize=lambda m, sub: parallelize_module(m, sub, None, sequence_parallel=True),
+        optimizer=lambda m, _sub: Muon(m, lr=LR),
     )
     r = mesh.get_local_rank("pp")
     assert pp.stage_indices == [r, r + 2] and pp.num_stages == 4
@@ -186,6 +242,19 @@ def test_pp_x_dp_x_tp_on_8_ranks():
         clip=0.5,
         parallelize=lambda m, sub: parallelize_module(
             m, sub, None, tp_dim="tp", data_parallel={"dp": "fsdp"}
+        ),
+        dropout=0.1,  # on DTensors (heads sharded over tp), inside data_parallel_rng
+    )
+    # HSDP in each stage: parameters sharded over "shard", replicated over "rep"
+    mesh = init_device_mesh("cpu", (2, 2, 2), mesh_dim_names=("pp", "rep", "shard"))
+    _check(
+        mesh,
+        schedule="gpipe",
+        microbatches=2,
+        dp_dim=("rep", "shard"),
+        clip=0.5,
+        parallelize=lambda m, sub: parallelize_module(
+            m, sub, {}, data_parallel={"rep": "ddp", "shard": "fsdp"}
         ),
     )
 

@@ -680,6 +680,27 @@ def _dtype_changes(
     return out
 
 
+def _cover_param_groups(saved: Any, live: Any) -> Any:
+    """Saved optimizer param groups, extended to this rank's parameters.
+
+    One rank writes the param groups, listing the parameters it holds. Under pipeline
+    parallelism the other ranks hold other parameters (other stages): a live group none
+    of whose parameters the saved groups list takes the hyper-parameters of the saved
+    group at its position (every stage builds its optimizer the same way).
+    """
+    if not (isinstance(saved, list) and isinstance(live, list) and len(saved) == len(live)):
+        return saved
+    listed = {n for g in saved if isinstance(g, dict) for n in g.get("params", ())}
+    out = [dict(g) if isinstance(g, dict) else g for g in saved]
+    for g, lg in zip(out, live):
+        if not (isinstance(g, dict) and isinstance(lg, dict)):
+            continue
+        names = [n for n in lg.get("params", ()) if isinstance(n, str)]
+        if names and not listed.intersection(names):
+            g["params"] = list(g.get("params", [])) + names
+    return out
+
+
 def load(
     path: str | os.PathLike,
     state: dict[str, Any],
@@ -805,7 +826,10 @@ def load(
         raise err from err.__cause__
     for k, setter in flat.value_setters.items():
         if k in values:
-            setter(decode_value(values[k]))
+            value = decode_value(values[k])
+            if k.endswith(".param_groups"):
+                value = _cover_param_groups(value, decode_value(flat.values[k]))
+            setter(value)
     for fn in flat.finishers:
         fn()
     return LoadResult(missing, unexpected, mismatched, time.perf_counter() - t0)

@@ -24,7 +24,7 @@ from torch.distributed.pipelining import (
     ScheduleGPipe,
     ScheduleInterleaved1F1B,
 )
-from torch.distributed.tensor import DTensor, Replicate, Shard
+from torch.distributed.tensor import DTensor, Partial, Replicate, Shard
 
 from vescale.dmodule._compat import tree_flatten, tree_unflatten
 from vescale.dmodule._pipeline_split import (
@@ -38,6 +38,7 @@ from vescale.dmodule._pipeline_split import (
     stub_ghosts,
     trace_model,
 )
+from vescale.dtensor.random import is_single_device_rng, microbatch_rng
 
 __all__ = ["PipelineParallel", "pipeline_parallelize", "PipelineSplitError", "SCHEDULES"]
 
@@ -73,6 +74,10 @@ class _Runtime:
     idmap: dict = dataclasses.field(default_factory=dict)
     keep: list = dataclasses.field(default_factory=list)
     mesh: DeviceMesh | None = None  # the stage's DModule mesh: received tensors join it
+    # one-device randomness (see `_RandomState`): the micro-batch running, how many
+    rng: _RandomState | None = None
+    chunk: int = 0
+    microbatches: int = 1
 
     def lift(self, t: torch.Tensor) -> torch.Tensor:
         """A received tensor as the stage's model sees its activations.
@@ -141,11 +146,60 @@ def _exit_hook(rt: _Runtime, name: str) -> Callable:
     return hook
 
 
+class _RandomState:
+    """One device's random-number stream through the stages of a pipeline.
+
+    One device runs every random op of a step on the whole batch, stage after stage.
+    Stage ``s`` starts drawing from the generator state one device has after stages
+    ``0 .. s-1``: stage 0 from the state at the step's start, later stages from the
+    state that travels with the activations they receive (an extra ``uint8`` tensor
+    after them). Every micro-batch restarts from that state and draws the whole
+    batch's values, keeping its own rows (`vescale.dtensor.random.microbatch_rng`),
+    so masks equal the whole batch's. After the step every rank takes the state the
+    last stage ended with (one broadcast over the ``pp`` group): where one device
+    would be.
+    """
+
+    def __init__(self, device: torch.device) -> None:
+        self.device = device
+        self.start: torch.Tensor | None = None  # this step's state before stage 0
+        self.end: torch.Tensor | None = None  # the last stage's state after its draws
+
+    def get(self) -> torch.Tensor:
+        if self.device.type == "cuda":
+            return torch.cuda.get_rng_state(self.device).to(self.device)
+        return torch.get_rng_state()
+
+    def set(self, state: torch.Tensor) -> None:
+        if self.device.type == "cuda":
+            torch.cuda.set_rng_state(state.cpu(), self.device)
+        else:
+            torch.set_rng_state(state.cpu())
+
+
 def _install_forward(shell: nn.Module, rt: _Runtime, orig_forward: Callable) -> None:
     is_first = rt.stage_index == 0
     is_last = rt.stage_index == rt.num_stages - 1
 
     def forward(*args: Any, **kwargs: Any) -> Any:
+        rng = rt.rng
+        if rng is None:
+            return run(args, kwargs)
+        if is_first:
+            if rng.start is None:
+                raise RuntimeError("a pipeline stage ran outside PipelineParallel.step")
+            state = rng.start
+        else:  # the generator state travels after the activations
+            state, args = args[-1], args[:-1]
+        rng.set(state)
+        with microbatch_rng(rt.chunk, rt.microbatches):
+            out = run(args, kwargs)
+        if is_last:
+            rng.end = rng.get()
+            return out
+        return (*out, rng.get())
+
+    def run(args: tuple, kwargs: dict) -> Any:
         if is_first:
             call_args, rt.received = args, None
         else:
@@ -178,15 +232,28 @@ def _install_forward(shell: nn.Module, rt: _Runtime, orig_forward: Callable) -> 
 
 class _Stage(PipelineStage):
     """torch's ``PipelineStage``; backward passes of all but the last micro-batch of a
-    step accumulate gradients without data-parallel communication (`no_sync`)."""
+    step accumulate gradients without data-parallel communication (`no_sync`). The
+    stage's forward learns which micro-batch it runs (one-device randomness), and
+    backward passes run in that micro-batch's random region too, so activation
+    checkpointing recomputes the forward's masks."""
+
+    _vescale_rt: _Runtime
+
+    def forward_one_chunk(self, fwd_chunk_id: int, *args: Any, **kwargs: Any):
+        self._vescale_rt.chunk = fwd_chunk_id
+        return super().forward_one_chunk(fwd_chunk_id, *args, **kwargs)
 
     def backward_one_chunk(
         self, bwd_chunk_id: int, loss=None, full_backward: bool = True, last_backward=False
     ):  # noqa: E501
         from vescale.dmodule._fsdp import no_sync
 
-        ctx = contextlib.nullcontext() if last_backward else no_sync(self.submod)
-        with ctx:
+        rt = self._vescale_rt
+        with contextlib.ExitStack() as stack:
+            if not last_backward:
+                stack.enter_context(no_sync(self.submod))
+            if rt.rng is not None:
+                stack.enter_context(microbatch_rng(bwd_chunk_id, rt.microbatches))
             return super().backward_one_chunk(
                 bwd_chunk_id, loss=loss, full_backward=full_backward, last_backward=last_backward
             )
@@ -245,7 +312,9 @@ class PipelineParallel:
         microbatches: int,
         pp_group: Any,
         submesh: DeviceMesh | None,
+        rng: _RandomState | None = None,
     ) -> None:
+        self._rng = rng
         self.model_parts = model_parts
         self.stages = stages
         self.schedule = schedule
@@ -289,10 +358,35 @@ class PipelineParallel:
         losses: list[torch.Tensor] | None = [] if self.has_last_stage else None
         args = inputs if self.has_first_stage else ()
         tgt = target if self.has_last_stage else None
-        self.schedule.step(*args, target=tgt, losses=losses)
+        with self._random_stream():
+            self.schedule.step(*args, target=tgt, losses=losses)
         if losses is None:
             return None
         return torch.stack([loss.detach() for loss in losses]).sum()
+
+    @property
+    def single_device_rng(self) -> bool:
+        """Whether random ops in the stages draw one device's values (the model runs
+        random ops and `vescale.dtensor.random.is_single_device_rng` was on when the
+        pipeline was built)."""
+        return self._rng is not None
+
+    @contextlib.contextmanager
+    def _random_stream(self) -> Iterator[None]:
+        rng = self._rng
+        if rng is None:
+            yield
+            return
+        rng.start, rng.end = rng.get(), None
+        try:
+            yield
+        finally:
+            rng.start = None
+        # every rank continues from where one device would be: the last stage's state
+        last = (self.num_stages - 1) % dist.get_world_size(self.pp_group)
+        state = rng.end if self.has_last_stage else rng.get()
+        dist.broadcast(state, src=dist.get_global_rank(self.pp_group, last), group=self.pp_group)
+        rng.set(state)
 
     @torch.no_grad()
     def eval_step(
@@ -305,7 +399,8 @@ class PipelineParallel:
         losses: list[torch.Tensor] | None = [] if self.has_last_stage else None
         args = inputs if self.has_first_stage else ()
         tgt = target if self.has_last_stage else None
-        self.schedule.eval(*args, target=tgt, losses=losses)
+        with self._random_stream():
+            self.schedule.eval(*args, target=tgt, losses=losses)
         if losses is None:
             return None
         return torch.stack([loss.detach() for loss in losses]).sum()
@@ -445,7 +540,8 @@ def pipeline_parallelize(
             f"size ({pp_size})"
         )
     mb_args = tuple(t[: batch // m] for t in inputs)
-    trace = trace_model(model, mb_args, {})
+    with microbatch_rng(0, 1) as seen:  # counts the model's random ops (on meta)
+        trace = trace_model(model, mb_args, {})
     if split_points is None:
         points = auto_split_points(model, n) if n > 1 else []
     else:
@@ -457,14 +553,16 @@ def pipeline_parallelize(
     if not out_leaves or not all(isinstance(x, torch.Tensor) for x in out_leaves):
         raise PipelineSplitError("the model's output must be a tensor or a tuple of tensors")
 
-    def stage_io(s: int) -> tuple[tuple, tuple]:
-        ins = mb_args if s == 0 else tuple(trace.arg_leaves[points[s - 1]])
-        outs = tuple(out_leaves) if s == n - 1 else tuple(trace.arg_leaves[points[s]])
-        return ins, outs
-
     device = torch.device(device_mesh.device_type)
     if device.type == "cuda":
         device = torch.device("cuda", torch.cuda.current_device())
+    rng = _RandomState(device) if seen.random_ops and is_single_device_rng() else None
+    carried = (rng.get(),) if rng is not None else ()  # the generator state's shape
+
+    def stage_io(s: int) -> tuple[tuple, tuple]:
+        ins = mb_args if s == 0 else (*trace.arg_leaves[points[s - 1]], *carried)
+        outs = tuple(out_leaves) if s == n - 1 else (*trace.arg_leaves[points[s]], *carried)
+        return ins, outs
 
     parts: list[nn.Module] = []
     stages: list[PipelineStage] = []
@@ -478,6 +576,8 @@ def pipeline_parallelize(
             entry_name=points[s - 1] if s > 0 else None,
             exit_name=points[s] if s < n - 1 else None,
             meta_args=mb_args,
+            rng=rng,
+            microbatches=m,
         )
         _install_forward(part, rt, orig_forward)
         stub_ghosts(built.ghosts, trace, rt.exit_name)
@@ -509,6 +609,7 @@ def pipeline_parallelize(
             output_args=tuple(_example(t, device) for t in outs),
             group=pp_group,
         )
+        stage._vescale_rt = rt
         parts.append(part)
         stages.append(stage)
 
@@ -528,20 +629,43 @@ def pipeline_parallelize(
         microbatches=m,
         pp_group=pp_group,
         submesh=submesh,
+        rng=rng,
     )
 
 
 def _tensor_parallel_mesh(module: nn.Module) -> DeviceMesh | None:
-    """The mesh of ``module``'s tensor-parallel (``Shard``) parameters, if any.
+    """The mesh on which ``module``'s activations are DTensors, if any.
 
-    There, the model's activations are DTensors (``DModule``'s plans place them), so
-    the tensors a stage receives become DTensors on that mesh. Data parallelism alone
-    (DDP, FSDP) keeps activations plain.
+    That is the mesh of its tensor-parallel (``Shard``) parameters or, without those,
+    of parameters that are all ``Replicate()`` DTensors on every dim (``DModule``
+    without data-parallel engine, e.g. for ``DistributedOptimizer``): there the model's
+    activations are DTensors (``DModule``'s plans and implicit replication make them),
+    so the tensors a stage receives become DTensors on that mesh. Data parallelism by
+    DDP or FSDP keeps activations plain.
     """
+    replicated, only_replicated = None, True
     for p in module.parameters():
-        if isinstance(p, DTensor) and any(isinstance(pl, Shard) for pl in p.placements):
-            return p.device_mesh
-    return None
+        if not isinstance(p, DTensor):
+            continue
+        if any(isinstance(pl, Shard) for pl in p.placements):
+            return _compute_mesh(p)
+        if all(isinstance(pl, Replicate) for pl in p.placements):
+            replicated = replicated or p.device_mesh
+        else:  # e.g. FSDP's flat shards: the engine gathers them, activations stay plain
+            only_replicated = False
+    return replicated if only_replicated else None
+
+
+def _compute_mesh(p: DTensor) -> DeviceMesh:
+    """The mesh a tensor-parallel parameter computes on: its mesh without the dims of
+    a data-parallel engine's own placements (FSDP's flat shards), where the engine
+    hands the forward the unsharded parameter."""
+    mesh = p.device_mesh
+    names = mesh.mesh_dim_names
+    keep = [i for i, pl in enumerate(p.placements) if isinstance(pl, (Shard, Replicate, Partial))]
+    if not names or len(keep) == mesh.ndim or not keep:
+        return mesh
+    return mesh[tuple(names[i] for i in keep)]
 
 
 def _example(t: torch.Tensor, device: torch.device) -> torch.Tensor:

@@ -45,6 +45,7 @@ __all__ = [
     "enable",
     "is_enabled",
     "data_parallel_region",
+    "RegionStats",
 ]
 
 aten = torch.ops.aten
@@ -393,8 +394,11 @@ def _mode_class() -> type:
             super().__init__()
             self.batch = batch
             self.dims = dims  # the data-parallel mesh dims' names
+            self.stats = RegionStats()
 
         def _batch_for(self, args: tuple, kwargs: dict) -> Any:
+            if self.batch[0] == 1:
+                return None  # the whole batch: nothing to widen
             tensors = _tensor_positions(args, kwargs)
             ref = tensors[0][1] if tensors else None
             if isinstance(ref, DTensor):
@@ -408,6 +412,7 @@ def _mode_class() -> type:
         def __torch_dispatch__(self, func, types, args=(), kwargs=None):
             kwargs = kwargs or {}
             if func in RANDOM_OPS:
+                self.stats.random_ops += 1
                 return draw(func, args, kwargs, self._batch_for(args, kwargs))
             return func(*args, **kwargs)
 
@@ -415,18 +420,26 @@ def _mode_class() -> type:
     return _BatchRandomMode
 
 
+class RegionStats:
+    """What a `data_parallel_region` saw: ``random_ops``, the random ops run inside."""
+
+    def __init__(self) -> None:
+        self.random_ops = 0
+
+
 @contextlib.contextmanager
 def data_parallel_region(
     n: int, r: int, batch_dim: int, layout: str, dim_names: Sequence[str] = ()
-) -> Iterator[None]:
+) -> Iterator[RegionStats]:
     """Treat every random op's tensor as rank ``r``'s part of a batch split ``n`` ways.
 
     ``dim_names``: the data-parallel mesh dims; a DTensor already sharded over one of
-    them has the global batch in its shape and is not widened.
+    them has the global batch in its shape and is not widened. Regions nest: an outer
+    region widens what an inner one draws (micro-batch -> rank's batch -> global batch).
     """
     mode = _mode_class()((n, r, batch_dim, layout), frozenset(dim_names))
     with mode:
-        yield
+        yield mode.stats
 
 
 def rank_in_dims(mesh: DeviceMesh, dims: Sequence[int]) -> tuple[int, int]:

@@ -12,6 +12,8 @@ cost and `set_single_device_rng` to turn it off.
 
 Data parallelism splits the batch between ranks outside any DTensor; wrap the
 forward in `data_parallel_rng` to draw the global batch's values there too.
+`microbatch_rng` does the same for one micro-batch of a batch (pipeline parallelism,
+gradient accumulation); the two nest.
 
 ``manual_seed(seed, device_mesh)`` is veScale's entry: it checks that every rank
 passes the same seed, then seeds the default generator (and torch's DTensor tracker
@@ -34,7 +36,12 @@ __all__ = [
     "set_single_device_rng",
     "is_single_device_rng",
     "data_parallel_rng",
+    "microbatch_rng",
+    "RandomOpCount",
 ]
+
+#: What `microbatch_rng` yields: ``random_ops``, the number of random ops run inside.
+RandomOpCount = _rng.RegionStats
 
 _LAYOUTS = ("block", "interleaved")
 
@@ -157,3 +164,41 @@ def data_parallel_rng(
     dim_names = [names[d] for d in idx] if names else []
     with _rng.data_parallel_region(n, r, batch_dim, layout, dim_names):
         yield
+
+
+@contextlib.contextmanager
+def microbatch_rng(index: int, microbatches: int, *, batch_dim: int = 0) -> Iterator[RandomOpCount]:
+    """Draw random values inside the block as for the whole batch; keep one micro-batch's.
+
+    The batch is cut into ``microbatches`` equal micro-batches along ``batch_dim``
+    (``batch.chunk(microbatches)``); the code inside computes micro-batch ``index``.
+    Every random op inside draws the values one device would draw for the whole
+    batch (its tensor's ``batch_dim`` widened ``microbatches`` times) and keeps rows
+    ``[index * b, (index + 1) * b)``. Run every micro-batch from the same generator
+    state (``torch.get_rng_state()`` before the first, ``torch.set_rng_state`` before
+    each) and the masks are exactly the whole batch's: this is how
+    ``vescale.dmodule.pipeline_parallelize`` matches one device under pipeline
+    parallelism. Inside `data_parallel_rng` the two compose (micro-batch of this
+    rank's part of the global batch, in that rank's layout).
+
+    Args:
+        index: The micro-batch computed inside (``0 <= index < microbatches``).
+        microbatches: How many micro-batches the batch is cut into; ``1`` draws as
+            usual and only counts.
+        batch_dim: The batch dim of every tensor that random ops run on.
+
+    Yields:
+        A `RandomOpCount` whose ``random_ops`` counts the random ops run inside.
+
+    Raises:
+        ValueError: ``index`` or ``microbatches`` out of range.
+        NotImplementedError: This torch lacks the dispatch-mode hook it needs.
+    """
+    if isinstance(microbatches, bool) or not isinstance(microbatches, int) or microbatches < 1:
+        raise ValueError(f"microbatch_rng: microbatches must be an int >= 1, got {microbatches!r}")
+    if isinstance(index, bool) or not isinstance(index, int) or not 0 <= index < microbatches:
+        raise ValueError(
+            f"microbatch_rng: index must be an int in [0, {microbatches}), got {index!r}"
+        )
+    with _rng.data_parallel_region(microbatches, index, batch_dim, "block") as stats:
+        yield stats
