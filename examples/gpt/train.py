@@ -710,7 +710,7 @@ def main(argv: list[str] | None = None) -> int:
         sync_ctx = no_sync_context(model) if dp_mode.startswith("dmodule-") else None
         if pipe is not None:  # torch's schedule runs the micro-batches through the stages
             x, y = next(train_iter)
-            with amp():
+            with dropout_rng(), amp():  # micro-batch masks nest in the data-parallel ones
                 loss = pipe.step(x.to(device), target=y.to(device))
             loss_sum = 0.0 if loss is None else float(loss)
             max_norm = cfg.optim.grad_clip if cfg.optim.grad_clip > 0 else float("inf")
