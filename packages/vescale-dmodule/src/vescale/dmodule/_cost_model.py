@@ -1223,17 +1223,22 @@ def estimate(
     return Estimate(lay, accum, memory, t, memory["total"] <= device.memory, traffic)
 
 
-def _timed(fn: Callable[[], Any], reps: int, repeats: int = 5) -> float:
+def _timed(
+    fn: Callable[[], Any],
+    reps: int,
+    repeats: int = 5,
+    clock: Callable[[], float] = time.perf_counter,
+) -> float:
     """Seconds per call of ``fn``: the fastest of ``repeats`` batches of ``reps`` calls
     after a warm-up batch (the minimum filters out time lost to other processes)."""
     for _ in range(reps):
         fn()
     best = math.inf
     for _ in range(repeats):
-        t0 = time.perf_counter()
+        t0 = clock()
         for _ in range(reps):
             fn()
-        best = min(best, (time.perf_counter() - t0) / reps)
+        best = min(best, (clock() - t0) / reps)
     return best
 
 
@@ -1247,7 +1252,9 @@ def _host_cores() -> int:
         return os.cpu_count() or 1
 
 
-def _adamw_step_time(params: list[torch.Tensor], sync: Callable[[], None], repeats: int) -> float:
+def _adamw_step_time(
+    params: list[torch.Tensor], sync: Callable[[], None], timed: Callable[..., float]
+) -> float:
     """Seconds per parameter tensor of one AdamW step (one tensor at a time)."""
     for p in params:
         p.grad = torch.zeros_like(p)
@@ -1257,7 +1264,7 @@ def _adamw_step_time(params: list[torch.Tensor], sync: Callable[[], None], repea
         opt.step()
         sync()
 
-    return _timed(step, 1, repeats) / len(params)
+    return timed(step, 1) / len(params)
 
 
 def probe_device(
@@ -1282,7 +1289,8 @@ def probe_device(
     redistribution adds to a collective. Every
     figure is the fastest of several short timed batches after a warm-up (``repeats``
     for the collectives, four times as many, at least 20, for the per-device figures),
-    so time lost to other processes on a shared machine does not enter.
+    and on CPU the per-device figures are the process's CPU time, so time lost to
+    other processes on a shared machine does not enter.
 
     On CPU, when the ranks of a node share its cores, one rank measures the per-device
     figures while the others wait (alone, as a rank that has a core to itself), and
@@ -1352,6 +1360,13 @@ def probe_device(
     n_nodes = _count_nodes(chain(inp).sum())
     host_repeats = max(4 * repeats, 20)  # short windows: the fastest finds a quiet moment
 
+    # per-device figures on CPU: the process's CPU time, which other processes taking
+    # the cores do not inflate (on GPUs: wall time, synchronized)
+    clock = time.perf_counter if cuda else time.process_time
+
+    def timed(fn: Callable[[], Any], reps: int) -> float:
+        return _timed(fn, reps, host_repeats, clock)
+
     figures: list[float] = []
     by_size: list[tuple[int, float]] = []
     copies: list[tuple[int, float]] = []
@@ -1366,7 +1381,7 @@ def probe_device(
             torch.mm(one, one)
             sync()
 
-        t_call = _timed(nop, 50, host_repeats)
+        t_call = timed(nop, 50)
 
         def net(t: float) -> float:
             return max(t - t_call, 0.1 * t)
@@ -1379,7 +1394,7 @@ def probe_device(
                 torch.mm(a, b)
                 sync()
 
-            t = net(_timed(mm, max(1, 2**20 // size**2), host_repeats))
+            t = net(timed(mm, max(1, 2**20 // size**2)))
             by_size.append((size, 2 * size**3 / t))
         for nbytes in (*copy_sizes, int(copy_mb * 2**20)):
             n = max(nbytes // 4, 1)
@@ -1390,18 +1405,18 @@ def probe_device(
                 torch.add(x, 1.0, out=y)
                 sync()
 
-            t = net(_timed(cp, max(1, 2**20 // nbytes), host_repeats))
+            t = net(timed(cp, max(1, 2**20 // nbytes)))
             copies.append((n * 4, 2 * n * 4 / t))
 
         def host(model: nn.Module, x: torch.Tensor) -> tuple[float, float]:
-            t_f = _timed(lambda: fwd(model, x), 1, host_repeats)
-            t_fb = _timed(lambda: step(model, x), 1, host_repeats)
+            t_f = timed(lambda: fwd(model, x), 1)
+            t_fb = timed(lambda: step(model, x), 1)
             return t_f / n_ops, max(t_fb - t_f, 0.0) / n_nodes
 
         t_op, t_node = host(chain, inp)
         t_dop, t_dnode = host(dchain, dinp) if dchain is not None else (t_op, t_node)
-        t_opt = _adamw_step_time(opt_params, sync, host_repeats)
-        t_dopt = _adamw_step_time(dparams, sync, host_repeats) if dparams else t_opt
+        t_opt = _adamw_step_time(opt_params, sync, timed)
+        t_dopt = _adamw_step_time(dparams, sync, timed) if dparams else t_opt
         figures = [
             *(f for _, f in by_size),
             *(b for _, b in copies),
