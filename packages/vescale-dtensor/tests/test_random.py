@@ -170,3 +170,32 @@ def test_data_parallel_rng_draws_the_global_batch():
     with pytest.raises(ValueError, match="layout"):
         with vrandom.data_parallel_rng(mesh, "dp", layout="strided"):
             pass
+
+
+def test_microbatch_rng_draws_the_whole_batch_mask():
+    """Each micro-batch, restarted from one generator state, gets its rows of the whole
+    batch's dropout mask; the generator ends where the whole-batch draw leaves it."""
+    x = torch.randn(6, 5, 4) + 3.0  # no zeros: the mask is visible in the output
+    torch.manual_seed(7)
+    start = torch.get_rng_state()
+    whole = F.dropout(x, 0.5)
+    torch.rand(3)  # a later draw continues from the same state
+    after = torch.rand(3)
+    parts = []
+    for i, mb in enumerate(x.chunk(3)):
+        torch.set_rng_state(start)
+        with vrandom.microbatch_rng(i, 3) as seen:
+            parts.append(F.dropout(mb, 0.5))
+        assert seen.random_ops >= 1
+    torch.rand(3)
+    torch.testing.assert_close(torch.cat(parts), whole, rtol=0, atol=0)
+    torch.testing.assert_close(torch.rand(3), after, rtol=0, atol=0)
+    # without the region each micro-batch draws its own (different) mask
+    torch.set_rng_state(start)
+    assert not torch.equal(F.dropout(x[2:4], 0.5), whole[2:4])
+    with pytest.raises(ValueError, match=r"index must be an int in \[0, 3\)"):
+        with vrandom.microbatch_rng(3, 3):
+            pass
+    with pytest.raises(ValueError, match="microbatches must be an int >= 1"):
+        with vrandom.microbatch_rng(0, 0):
+            pass

@@ -152,8 +152,8 @@ class _RandomState:
     One device runs every random op of a step on the whole batch, stage after stage.
     Stage ``s`` starts drawing from the generator state one device has after stages
     ``0 .. s-1``: stage 0 from the state at the step's start, later stages from the
-    state that travels with the activations they receive (an extra ``uint8`` tensor
-    after them). Every micro-batch restarts from that state and draws the whole
+    state that travels with the activations they receive (an extra tensor after
+    them, the state's bytes as float32). Every micro-batch restarts from that state and draws the whole
     batch's values, keeping its own rows (`vescale.dtensor.random.microbatch_rng`),
     so masks equal the whole batch's. After the step every rank takes the state the
     last stage ended with (one broadcast over the ``pp`` group): where one device
@@ -170,11 +170,34 @@ class _RandomState:
             return torch.cuda.get_rng_state(self.device).to(self.device)
         return torch.get_rng_state()
 
+    def carried(self) -> torch.Tensor:
+        """The state as it travels between stages: its bytes as float32 values (exact).
+
+        A float, because some torch releases make every received tensor require a
+        gradient (and expect one back); see `_tie`.
+        """
+        return self.get().to(torch.float32)
+
     def set(self, state: torch.Tensor) -> None:
+        state = state.detach().to("cpu", torch.uint8)
         if self.device.type == "cuda":
-            torch.cuda.set_rng_state(state.cpu(), self.device)
+            torch.cuda.set_rng_state(state, self.device)
         else:
-            torch.set_rng_state(state.cpu())
+            torch.set_rng_state(state)
+
+
+def _tie(args: tuple, state: torch.Tensor) -> tuple:
+    """``args`` with the received generator state joined to the autograd graph by an exact
+    zero, so the stage sends the previous one a (zero) gradient for it as for any
+    received tensor (torch 2.11's stages require one for every received tensor)."""
+    if not (torch.is_grad_enabled() and state.requires_grad):
+        return args
+    out = list(args)
+    for i, a in enumerate(out):
+        if isinstance(a, torch.Tensor) and a.is_floating_point() and a.requires_grad:
+            out[i] = a + state.sum() * 0.0
+            break
+    return tuple(out)
 
 
 def _install_forward(shell: nn.Module, rt: _Runtime, orig_forward: Callable) -> None:
@@ -190,14 +213,14 @@ def _install_forward(shell: nn.Module, rt: _Runtime, orig_forward: Callable) -> 
                 raise RuntimeError("a pipeline stage ran outside PipelineParallel.step")
             state = rng.start
         else:  # the generator state travels after the activations
-            state, args = args[-1], args[:-1]
+            state, args = args[-1], _tie(args[:-1], args[-1])
         rng.set(state)
         with microbatch_rng(rt.chunk, rt.microbatches):
             out = run(args, kwargs)
         if is_last:
             rng.end = rng.get()
             return out
-        return (*out, rng.get())
+        return (*out, rng.carried())
 
     def run(args: tuple, kwargs: dict) -> Any:
         if is_first:
@@ -557,7 +580,7 @@ def pipeline_parallelize(
     if device.type == "cuda":
         device = torch.device("cuda", torch.cuda.current_device())
     rng = _RandomState(device) if seen.random_ops and is_single_device_rng() else None
-    carried = (rng.get(),) if rng is not None else ()  # the generator state's shape
+    carried = (rng.carried(),) if rng is not None else ()  # the generator state's shape
 
     def stage_io(s: int) -> tuple[tuple, tuple]:
         ins = mb_args if s == 0 else (*trace.arg_leaves[points[s - 1]], *carried)
