@@ -210,6 +210,13 @@ class DistributedOptimizer(torch.optim.Optimizer):
        owning the parameters wait for a bucket right before the first module that
        uses it runs, so the gathers overlap the forward of the layers before.
 
+    That is the NCCL path. On gloo, whose reduce-scatter runs an all-reduce inside and
+    whose all-gather is slower than broadcasts of the same bytes, step 1 all-reduces
+    the bucket (this rank keeps a copy of its slice) and step 4 broadcasts the updated
+    pieces from their owners: straight into the parameters when a bucket's pieces
+    average at least 1 MiB, else one broadcast per rank slice into a flat buffer.
+    Same elements, same results.
+
     Between ``backward()`` and ``step()`` each parameter's ``.grad`` is the global
     (dp-averaged) gradient with its reduction pending: a DTensor that is
     ``Partial("avg")`` on the dp dim, so whatever the user reads (``full_tensor()``,

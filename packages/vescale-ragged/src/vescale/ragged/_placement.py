@@ -45,8 +45,10 @@ class RaggedShard(PluginPlacement):
     )
 
     def __post_init__(self) -> None:
-        dims = tuple(int(d) for d in self.dims)
-        units = tuple(int(u) for u in self.local_units)
+        # map/min instead of generators: the planner builds one per parameter with
+        # one unit per rank (1,000 x 1,024 on a cluster-sized plan)
+        dims = tuple(map(int, self.dims))
+        units = tuple(map(int, self.local_units))
         object.__setattr__(self, "dims", dims)
         object.__setattr__(self, "local_units", units)
         if dims != tuple(range(len(dims))):
@@ -55,7 +57,7 @@ class RaggedShard(PluginPlacement):
             )
         if not units:
             raise ValueError("RaggedShard local_units must have one entry per rank, got ()")
-        if any(u < 0 for u in units):
+        if min(units) < 0:
             raise ValueError(f"RaggedShard local_units must be >= 0, got {units}")
         if sum(units) == 0:
             raise ValueError(f"RaggedShard local_units must not be all zero, got {units}")
