@@ -64,13 +64,18 @@ def _build(kind, attn="eager"):
     return transformers.LlamaForCausalLM(cfg)
 
 
-def run_hf(kind, sp, steps=3, attn="eager", mesh_shape=(2,), plan=None):
+def run_hf(kind, sp, steps=3, attn="eager", mesh_shape=(2,), plan=None, dp=None):
+    """``dp``: ``"ddp"``/``"fsdp"`` on the mesh's "dp" dim, each dp rank training on its
+    own half of the batch (the reference: the whole batch on one device)."""
     names = ("dp", "tp") if len(mesh_shape) == 2 else ("tp",)
     mesh = init_device_mesh("cpu", mesh_shape, mesh_dim_names=names)
     torch.manual_seed(0)
     model = _build(kind, attn).eval()  # eval: no dropout; grads still flow
     ref = copy.deepcopy(model)
-    parallelize_module(model, mesh, plan(mesh.ndim) if plan else None, sequence_parallel=sp)
+    extra = {"data_parallel": {"dp": dp}} if dp else {}
+    parallelize_module(
+        model, mesh, plan(mesh.ndim) if plan else None, sequence_parallel=sp, **extra
+    )
     assert isinstance(model, type(ref))
     sharded = [
         n for n, p in model.named_parameters() if any(isinstance(q, Shard) for q in p.placements)
@@ -84,19 +89,31 @@ def run_hf(kind, sp, steps=3, attn="eager", mesh_shape=(2,), plan=None):
             if "c_attn" in name:
                 assert p.placements[-1] == _StridedShard(p.ndim - 1, split_factor=3), name
     ids = torch.randint(0, 64, (2, 8))
-    opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
-    ref_opt = torch.optim.AdamW(ref.parameters(), lr=1e-2)
+    mine = ids  # this rank's samples
+    if dp:
+        mine = ids.chunk(mesh.size(0))[mesh.get_local_rank("dp")]
+    # data parallel: the mean of per-rank means rounds differently from one mean, and
+    # AdamW's first step (g / sqrt(g^2)) turns that into a full lr-sized difference on a
+    # ~1e-9 gradient element unless eps is above such elements
+    eps = 1e-6 if dp else 1e-8
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-2, eps=eps)
+    ref_opt = torch.optim.AdamW(ref.parameters(), lr=1e-2, eps=eps)
     params = dict(model.named_parameters())
     for step in range(steps):
         if step == 0 and kind == "gpt2" and not sp:
             _check_gpt2_forward_comm(model, ids)
-        logits = model(input_ids=ids, use_cache=False).logits
+        logits = model(input_ids=mine, use_cache=False).logits
         ref_logits = ref(input_ids=ids, use_cache=False).logits
         assert isinstance(logits, DTensor)
-        torch.testing.assert_close(logits.full_tensor(), ref_logits, **TOL)
-        loss = F.cross_entropy(logits.to_local().flatten(0, 1), ids.flatten())
+        want = ref_logits
+        if dp:
+            want = ref_logits.chunk(mesh.size(0))[mesh.get_local_rank("dp")]
+        torch.testing.assert_close(logits.full_tensor(), want, **TOL)
+        # data parallel: the mean of the dp ranks' local means is the whole batch's mean
+        loss = F.cross_entropy(logits.to_local().flatten(0, 1), mine.flatten())
         ref_loss = F.cross_entropy(ref_logits.flatten(0, 1), ids.flatten())
-        torch.testing.assert_close(loss, ref_loss, **TOL)
+        if not dp:
+            torch.testing.assert_close(loss, ref_loss, **TOL)
         loss.backward()
         ref_loss.backward()
         for name, p in ref.named_parameters():
@@ -112,6 +129,14 @@ def run_hf(kind, sp, steps=3, attn="eager", mesh_shape=(2,), plan=None):
         ref_opt.step()
         opt.zero_grad()
         ref_opt.zero_grad()
+        if dp:
+            for name, p in ref.named_parameters():
+                torch.testing.assert_close(
+                    params[name].detach().full_tensor(),
+                    p.detach(),
+                    **TOL,
+                    msg=lambda m, name=name, step=step: f"after step {step}, {name}: {m}",
+                )
 
 
 def _check_gpt2_forward_comm(model, ids):
@@ -144,10 +169,19 @@ def test_hf_tp4(kind):
     run_hf(kind, sp=False, mesh_shape=(4,))
 
 
-@pytest.mark.parametrize("kind,sp", [pytest.param("gpt2", True, marks=GAP_211), ("llama", False)])
+@pytest.mark.parametrize(
+    "kind,sp,dp",
+    [
+        pytest.param("gpt2", True, None, marks=GAP_211),
+        ("llama", False, "fsdp"),
+        ("llama", True, "ddp"),
+    ],
+)
 @distributed(4)
-def test_hf_dp2_x_tp2(kind, sp):
-    run_hf(kind, sp=sp, mesh_shape=(2, 2))
+def test_hf_dp2_x_tp2(kind, sp, dp):
+    # With data parallelism each dp rank holds other samples: tensor parallelism then
+    # computes on the tp sub-mesh (LLaMA's gradients used to mix the dp ranks' samples).
+    run_hf(kind, sp=sp, mesh_shape=(2, 2), dp=dp)
 
 
 def _megatron_plan(ndim, params, replicated_outputs):

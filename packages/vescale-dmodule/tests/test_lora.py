@@ -1,4 +1,5 @@
-"""LoRA fine-tuning (peft's get_peft_model on an unmodified HF LLaMA) under DDP, FSDP and TP.
+"""LoRA fine-tuning (peft's get_peft_model on an unmodified HF LLaMA) under DDP, FSDP, TP
+and FSDP x TP.
 
 peft wraps the model first, vescale parallelizes the wrapped model; the frozen base
 weights get no gradients, no gradient communication and no optimizer state, and the
@@ -45,6 +46,9 @@ def _llama(lora: bool):
 
 
 def _parallel(model, mode):
+    if mode == "fsdp_tp":  # 2 x 2: automatic TP plan, FSDP over dp
+        mesh = init_device_mesh("cpu", (2, 2), mesh_dim_names=("dp", "tp"))
+        return parallelize_module(model, mesh, None, data_parallel={"dp": "fsdp"})
     names = ("tp",) if mode == "tp" else ("dp",)
     mesh = init_device_mesh("cpu", (4,), mesh_dim_names=names)
     if mode == "tp":
@@ -63,6 +67,9 @@ def _train(model, mode, steps=3):
         if mode in ("ddp", "fsdp"):  # each data-parallel rank: its quarter of the batch
             r = dist.get_rank()
             x, y = x.chunk(4)[r], y.chunk(4)[r]
+        elif mode == "fsdp_tp":  # each dp rank (rank // 2 on the 2 x 2 mesh): its half
+            r = dist.get_rank() // 2
+            x, y = x.chunk(2)[r], y.chunk(2)[r]
         with CommDebugMode() as comm:
             loss = model(input_ids=x, labels=y).loss
             loss.backward()
@@ -73,14 +80,14 @@ def _train(model, mode, steps=3):
         assert not frozen_grads, frozen_grads
         opt.step()
         opt.zero_grad()
-        loss = loss.full_tensor() if isinstance(loss, DTensor) else loss.detach().clone()
-        if mode in ("ddp", "fsdp") and dist.is_initialized():
-            dist.all_reduce(loss, op=dist.ReduceOp.AVG)
+        loss = (loss.full_tensor() if isinstance(loss, DTensor) else loss).detach().clone()
+        if mode in ("ddp", "fsdp", "fsdp_tp") and dist.is_initialized():
+            dist.all_reduce(loss, op=dist.ReduceOp.AVG)  # (tp ranks hold equal losses)
         losses.append(loss.item())
     return losses, sent, opt
 
 
-@pytest.mark.parametrize("mode", ["ddp", "fsdp", "tp"])
+@pytest.mark.parametrize("mode", ["ddp", "fsdp", "tp", "fsdp_tp"])
 @distributed(4)
 def test_lora_matches_single_device_peft(mode):
     ref = _llama(lora=True)

@@ -55,6 +55,9 @@ class _State:
     handles: list = dataclasses.field(default_factory=list)
     implicit: ImplicitReplicationHooks | None = None
     checkpointed: list[str] = dataclasses.field(default_factory=list)
+    # where the tensor-parallel computation runs: ``mesh``, or under data parallelism
+    # ``mesh`` without the data-parallel dims
+    compute_mesh: DeviceMesh | None = None
 
 
 class DModule:
@@ -385,6 +388,15 @@ def parallelize_module(
 
     _check_meta_init(model, opts["param_init_fn"])
     _check_dp_against_plan(dp_specs, resolved, device_mesh)
+    # Tensor parallelism under data parallelism computes on the mesh without the
+    # data-parallel dims: the ranks of a dp dim hold different samples, so activations
+    # (and the compute parameters) must not claim Replicate() over them, or DTensor's
+    # sharding propagation may cut them there (a local slice) and reduce the Partial
+    # results back over dp, mixing the ranks' samples into the gradients.
+    mesh = device_mesh
+    tp_resolved = resolved
+    if dp_specs and _has_tensor_parallelism(resolved):
+        tp_resolved = _drop_dims_from_plan(resolved, dp_dims, device_mesh)
     if opts["factory"] not in (False, None):
         from vescale.dmodule._factory import parse_factory
 
@@ -408,7 +420,35 @@ def parallelize_module(
         return model
 
     # ---- from here on: communication (parameter distribution), no more validation.
-    _materialize_meta(model, resolved, device_mesh, opts["param_init_fn"])
+    if tp_resolved is not resolved:
+        mesh = _mesh_without(device_mesh, dp_dims)
+    _materialize_meta(model, tp_resolved, mesh, opts["param_init_fn"])
+    new_params = _place_params(model, mesh, tp_resolved, opts["src_data_rank"], dp_dims)
+    factory = opts["factory"]
+    if mesh is not device_mesh and factory not in (False, None):
+        factory = _drop_factory_dims(factory, dp_dims, device_mesh)
+    handles, ir = _install_hooks(model, mesh, tp_resolved, opts, factory)
+    sync = PartialGradSync(new_params, mesh, auto=bool(opts["grad_sync"]))
+    state = _State(device_mesh, plan, resolved, opts, sync, handles, implicit=ir)
+    state.compute_mesh = mesh
+    module_state(model, create=True).dmodule = state
+    model.__class__ = _dmodule_class(type(model))
+    _apply_data_parallel(model, device_mesh, dp_specs)
+    _apply_checkpointing(model, state, ac)
+    return model
+
+
+def _place_params(
+    model: nn.Module,
+    mesh: DeviceMesh,
+    resolved: _plan.ResolvedPlan,
+    src_data_rank: int | None,
+    dropped: set[int],
+) -> list[nn.Parameter]:
+    """Make every planned parameter/buffer a DTensor on ``mesh`` with its placements.
+
+    ``dropped``: data-parallel dims of the tensors' mesh that ``mesh`` leaves out.
+    """
     modules = dict(model.named_modules(remove_duplicate=False))
     new_params: list[nn.Parameter] = []
     for entry in resolved.params:
@@ -418,13 +458,13 @@ def parallelize_module(
         if isinstance(old, DTensor):
             new = (
                 old
-                if tuple(old.placements) == entry.placements
-                else old.redistribute(device_mesh, entry.placements)
+                if old.device_mesh is mesh and tuple(old.placements) == entry.placements
+                else _to_mesh(old, mesh, entry.placements, dropped)
             )
         else:
             with torch.no_grad():
                 new = distribute_tensor(
-                    old.detach(), device_mesh, entry.placements, src_data_rank=opts["src_data_rank"]
+                    old.detach(), mesh, entry.placements, src_data_rank=src_data_rank
                 )
         if entry.kind == "parameter":
             new = nn.Parameter(new, requires_grad=old.requires_grad)
@@ -434,7 +474,18 @@ def parallelize_module(
         for name in entry.names:
             mod_name, _, attr = name.rpartition(".")
             getattr(modules[mod_name], table)[attr] = new
+    return new_params
 
+
+def _install_hooks(
+    model: nn.Module,
+    mesh: DeviceMesh,
+    resolved: _plan.ResolvedPlan,
+    opts: dict[str, Any],
+    factory: Any,
+) -> tuple[list, ImplicitReplicationHooks | None]:
+    """The forward hooks of a plan on ``mesh``: ``(handles, implicit replication)``."""
+    modules = dict(model.named_modules(remove_duplicate=False))
     handles = []
     done: set[tuple[int, str]] = set()
     for name, (_key, spec) in resolved.inputs.items():
@@ -443,16 +494,16 @@ def parallelize_module(
             continue
         done.add((id(mod), "in"))
         handles.append(
-            mod.register_forward_pre_hook(make_input_hook(mod, spec, device_mesh), with_kwargs=True)
+            mod.register_forward_pre_hook(make_input_hook(mod, spec, mesh), with_kwargs=True)
         )
     for name, (_key, spec) in resolved.outputs.items():
         mod = modules[name]
         if (id(mod), "out") in done:
             continue
         done.add((id(mod), "out"))
-        handles.append(mod.register_forward_hook(make_output_hook(spec, device_mesh)))
+        handles.append(mod.register_forward_hook(make_output_hook(spec, mesh)))
     for name, table in resolved.tensors.items():
-        pre, post = make_tensor_hooks({a: pl for a, (_k, pl) in table.items()}, device_mesh)
+        pre, post = make_tensor_hooks({a: pl for a, (_k, pl) in table.items()}, mesh)
         handles.append(modules[name].register_forward_pre_hook(pre))
         handles.append(modules[name].register_forward_hook(post, always_call=True))
     for name, mod in model.named_modules():
@@ -463,23 +514,167 @@ def parallelize_module(
             and any(isinstance(p, Shard) and p.dim == 0 for p in w.placements)
         ):
             handles.append(mod.register_forward_pre_hook(refuse_compile_hook(name or "<root>")))
-    if opts["factory"] not in (False, None):
+    if factory not in (False, None):
         from vescale.dmodule._factory import install_factory
 
-        handles += install_factory(model, device_mesh, opts["factory"])
+        handles += install_factory(model, mesh, factory)
     ir = None
     if opts["implicit_replication"]:
-        ir = ImplicitReplicationHooks(device_mesh)
+        ir = ImplicitReplicationHooks(mesh)
         handles.append(model.register_forward_pre_hook(ir.pre, prepend=True))
         handles.append(model.register_forward_hook(ir.post, always_call=True))
+    return handles, ir
 
-    sync = PartialGradSync(new_params, device_mesh, auto=bool(opts["grad_sync"]))
-    state = _State(device_mesh, plan, resolved, opts, sync, handles, implicit=ir)
-    module_state(model, create=True).dmodule = state
-    model.__class__ = _dmodule_class(type(model))
-    _apply_data_parallel(model, device_mesh, dp_specs)
-    _apply_checkpointing(model, state, ac)
-    return model
+
+def compute_without_dp_dims(model: nn.Module, mesh: DeviceMesh, dp_dims: tuple[int, ...]) -> None:
+    """Move a tensor-parallel module's computation to the mesh without ``dp_dims``.
+
+    Called by `fully_shard` / `replicate` on a module that `parallelize_module`
+    tensor-parallelised on ``mesh`` itself (without ``data_parallel=``): each rank of a
+    data-parallel dim then holds other samples, so the activations must not be DTensors
+    that claim ``Replicate()`` over that dim. The parameters (``Replicate()`` there) keep
+    their local tensors, re-wrapped on the sub-mesh; the forward hooks are installed
+    again on it. No communication besides building the sub-mesh; a no-op for modules
+    that were not parallelized on ``mesh`` or already compute on a sub-mesh.
+
+    Raises:
+        ValueError: The plan places a module input or output other than
+            ``Replicate()`` on a data-parallel dim.
+    """
+    ms = module_state(model)
+    state: _State | None = None if ms is None else ms.dmodule
+    if state is None or state.compute_mesh is not state.mesh:
+        return
+    same = state.mesh.device_type == mesh.device_type and torch.equal(state.mesh.mesh, mesh.mesh)
+    if not same or not _has_tensor_parallelism(state.resolved):
+        return
+    dims = set(dp_dims)
+    tp_resolved = _drop_dims_from_plan(state.resolved, dims, state.mesh)
+    sub = _mesh_without(state.mesh, dims)
+    if sub is state.mesh:
+        return
+    for h in state.handles:
+        h.remove()
+    state.grad_sync.release()
+    new_params = _place_params(model, sub, tp_resolved, None, dims)
+    factory = state.options["factory"]
+    if factory not in (False, None):
+        factory = _drop_factory_dims(factory, dims, state.mesh)
+    state.handles, state.implicit = _install_hooks(model, sub, tp_resolved, state.options, factory)
+    state.grad_sync = PartialGradSync(new_params, sub, auto=bool(state.options["grad_sync"]))
+    state.compute_mesh = sub
+
+
+def _mesh_without(mesh: DeviceMesh, dims: set[int]) -> DeviceMesh:
+    """The sub-mesh of ``mesh`` without mesh dims ``dims`` (at this rank's coordinate)."""
+    keep = [i for i in range(mesh.ndim) if i not in dims]
+    if not dims or not keep:
+        return mesh
+    names = mesh.mesh_dim_names
+    if not names:
+        # a named copy of the same ranks (building it is a collective, as slicing is not)
+        from vescale.dtensor import DeviceMesh as _VDeviceMesh
+
+        cache = mesh.__dict__.setdefault("_vescale_named_copy", [])
+        if not cache:
+            cache.append(
+                _VDeviceMesh(
+                    mesh.device_type,
+                    mesh.mesh,
+                    mesh_dim_names=tuple(f"dim{i}" for i in range(mesh.ndim)),
+                )
+            )
+        mesh, names = cache[0], cache[0].mesh_dim_names
+    kept = tuple(names[i] for i in keep)
+    return mesh[kept[0]] if len(kept) == 1 else mesh[kept]
+
+
+def _drop_factory_dims(factory: Any, dims: set[int], mesh: DeviceMesh) -> Any:
+    """A checked ``factory=`` option read on the mesh without the data-parallel ``dims``."""
+    from vescale.dtensor import normalize_placements
+
+    if isinstance(factory, dict):
+        return {
+            k: (
+                _drop_factory_dims(v, dims, mesh)
+                if isinstance(k, type)
+                else tuple(
+                    p for i, p in enumerate(normalize_placements(v, mesh.ndim)) if i not in dims
+                )
+            )
+            for k, v in factory.items()
+        }
+    return factory
+
+
+def _drop_dims_from_plan(
+    resolved: _plan.ResolvedPlan, dims: set[int], mesh: DeviceMesh
+) -> _plan.ResolvedPlan:
+    """``resolved`` read on the mesh without the data-parallel ``dims``.
+
+    Raises:
+        ValueError: A forward entry places a tensor other than ``Replicate()`` on a
+            data-parallel dim (the data-parallel engines own those dims).
+    """
+
+    def drop(spec: Any, where: str) -> Any:
+        if spec is None:
+            return None
+        if isinstance(spec, _plan.LocalLayout):
+            return _plan.LocalLayout(drop(spec.src, where), drop(spec.dst, where), spec.to_local)
+        if isinstance(spec, dict):
+            return {k: drop(v, f"{where}[{k!r}]") for k, v in spec.items()}
+        if _plan._is_placement_list(spec) and spec:
+            for d in dims:
+                if not spec[d].is_replicate():
+                    raise ValueError(
+                        f"{where}: {spec[d]} on mesh dim {_dim_name(mesh, d)!r}, which is "
+                        "data parallel; the data-parallel engine owns that dim (plan "
+                        "Replicate() there)"
+                    )
+            return tuple(p for i, p in enumerate(spec) if i not in dims)
+        if isinstance(spec, (list, tuple)):
+            return tuple(drop(v, f"{where}[{i}]") for i, v in enumerate(spec))
+        return spec
+
+    params = [
+        dataclasses.replace(e, placements=drop(e.placements, repr(e.names[0])))
+        for e in resolved.params
+    ]
+
+    def io(table: dict, suffix: str) -> dict:
+        return {
+            name: (key, drop(spec, f"{name or '<root>'}.{suffix} (plan key {key!r})"))
+            for name, (key, spec) in table.items()
+        }
+
+    tensors = {
+        name: {a: (k, drop(pl, f"{name}.{a} (plan key {k!r})")) for a, (k, pl) in table.items()}
+        for name, table in resolved.tensors.items()
+    }
+    return _plan.ResolvedPlan(
+        params, io(resolved.inputs, "input"), io(resolved.outputs, "output"), tensors
+    )
+
+
+def _to_mesh(t: DTensor, mesh: DeviceMesh, placements: tuple, dropped: set[int]) -> DTensor:
+    """``t`` (a DTensor on ``mesh``, or on the mesh ``mesh`` is without ``dropped``) on ``mesh``."""
+    if t.device_mesh == mesh:
+        return t.redistribute(mesh, placements)
+    # t lives on the whole mesh: replicated over the dropped (data-parallel) dims, its
+    # local tensor is the same on the sub-mesh
+    full = list(t.placements)
+    if any(not full[d].is_replicate() for d in dropped):
+        full = [Replicate() if i in dropped else p for i, p in enumerate(full)]
+        t = t.redistribute(t.device_mesh, full)
+    kept = [p for i, p in enumerate(full) if i not in dropped]
+    with torch.no_grad():
+        out = DTensor.from_local(
+            t.to_local(), mesh, kept, run_check=False, shape=t.shape, stride=t.stride()
+        )
+        if tuple(kept) != tuple(placements):
+            out = out.redistribute(mesh, placements)
+    return out
 
 
 def _without_strided_shards(auto: dict[str, Any]) -> dict[str, Any]:

@@ -406,6 +406,11 @@ def replicate(
     if not bucket_cap_mb > 0:
         raise ValueError(f"{what}: bucket_cap_mb must be positive, got {bucket_cap_mb!r}")
     mp = resolve_mixed_precision(mixed_precision, mp_policy, what)
+    # a module tensor-parallelised on this very mesh: its computation moves to the mesh
+    # without the dp dim (the dp ranks hold other samples)
+    from vescale.dmodule._api import compute_without_dp_dims
+
+    compute_without_dp_dims(module, mesh, (dim,))
     engine = DDPEngine(
         module,
         mesh,

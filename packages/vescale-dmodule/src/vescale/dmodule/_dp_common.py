@@ -37,6 +37,7 @@ __all__ = [
     "local_tensor",
     "dp_last_mesh",
     "check_dp_replicated",
+    "placements_on",
     "select_submodules",
 ]
 
@@ -156,12 +157,33 @@ def dp_last_mesh(mesh: DeviceMesh, dp_dim: int) -> DeviceMesh:
     return out
 
 
+def placements_on(p: DTensor, mesh: DeviceMesh, dp_dims: Iterable[int]) -> tuple | None:
+    """``p``'s placements read on ``mesh``, or ``None`` if ``p`` lives elsewhere.
+
+    ``p`` lives on ``mesh`` itself, or on the sub-mesh of ``mesh`` without the
+    data-parallel dims ``dp_dims`` (the tensor-parallel mesh ``parallelize_module``
+    computes on under data parallelism; ``Replicate()`` is read on the dropped dims).
+    """
+    from vescale.dtensor import lift_placements
+
+    pm = p.device_mesh
+    if pm.ndim == mesh.ndim and torch.equal(pm.mesh, mesh.mesh):
+        return tuple(p.placements)
+    return lift_placements(pm, p.placements, mesh, tuple(dp_dims))
+
+
 def check_dp_replicated(
-    module: nn.Module, mesh: DeviceMesh, dp_dim: int, what: str, skip: Iterable[int] = ()
+    module: nn.Module,
+    mesh: DeviceMesh,
+    dp_dim: int,
+    what: str,
+    skip: Iterable[int] = (),
+    dp_dims: Iterable[int] | None = None,
 ) -> None:
     """DTensor parameters: on ``mesh``, ``Replicate()`` on ``dp_dim``, same local shape everywhere.
 
-    The last condition (every rank's local tensor has one shape) lets one
+    A parameter may also live on the sub-mesh of ``mesh`` without the data-parallel
+    dims ``dp_dims`` (default: ``dp_dim``), see `placements_on`. The last condition (every rank's local tensor has one shape) lets one
     ``RaggedShard`` describe the dp cut of every tensor-parallel shard; it fails for
     uneven ``Shard`` placements (e.g. 5 rows over 2 ranks).
     """
@@ -177,12 +199,14 @@ def check_dp_replicated(
         if not isinstance(p, DTensor) or id(p) in skip:
             continue
         pm = p.device_mesh
-        if pm.ndim != mesh.ndim or not torch.equal(pm.mesh, mesh.mesh):
+        lifted = placements_on(p, mesh, (dp_dim,) if dp_dims is None else dp_dims)
+        if lifted is None:
             raise ValueError(
                 f"{what}: parameter {name!r} lives on mesh {pm.mesh.tolist()} but the "
-                f"data-parallel mesh is {mesh.mesh.tolist()}; both must be the same mesh"
+                f"data-parallel mesh is {mesh.mesh.tolist()}; both must be the same mesh "
+                "(or the parameter's mesh that mesh without its data-parallel dims)"
             )
-        pl = tuple(p.placements)
+        pl = lifted
         if pl[dp_dim] != Replicate():
             dn = mesh.mesh_dim_names[dp_dim] if mesh.mesh_dim_names else dp_dim
             raise ValueError(

@@ -319,9 +319,10 @@ def fully_shard(
     else:
         device = check_one_device(module, mesh, what, skip=skip)
     offload_device, pin = _resolve_offload(offload_policy, device, what)
-    check_dp_replicated(module, mesh, dim, what, skip=skip)
+    dp_dims = (dim,) if rep_dim is None else (rep_dim, dim)
+    check_dp_replicated(module, mesh, dim, what, skip=skip, dp_dims=dp_dims)
     if rep_dim is not None:
-        check_dp_replicated(module, mesh, rep_dim, what, skip=skip)
+        check_dp_replicated(module, mesh, rep_dim, what, skip=skip, dp_dims=dp_dims)
     mods = dict(module.named_modules())
     if groups is None:
         chosen = [] if children else default_groups(module)
@@ -331,6 +332,11 @@ def fully_shard(
     order = {n: i for i, n in enumerate(mods)}
     chosen = sorted({n for n in chosen if n and id(mods[n]) not in taken}, key=order.__getitem__)
     group_modules = [("", module)] + [(n, mods[n]) for n in chosen]
+    # a module tensor-parallelised on this very mesh: its computation moves to the mesh
+    # without the data-parallel dims (the dp ranks hold other samples)
+    from vescale.dmodule._api import compute_without_dp_dims
+
+    compute_without_dp_dims(module, mesh, dp_dims)
     engine = FSDPEngine(
         module,
         mesh,

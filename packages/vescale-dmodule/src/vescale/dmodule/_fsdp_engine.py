@@ -35,8 +35,12 @@ TP-local shard. Mesh dims apply left to right, so "tp first, then dp" is written
 a view of the same ranks with the dp dim moved last (``engine.shard_mesh``, e.g.
 ``("tp", "dp")``): a sharded parameter is ``[<its tp placements>, RaggedShard]``
 there, with the parameter's global shape. The unsharded compute parameters are
-DTensors on the original mesh with the original placements, views of the unsharded
-buffer, and their ``.grad`` are DTensors viewing the gradient buffer. A gradient
+DTensors on the original parameter's mesh with its placements, views of the unsharded
+buffer, and their ``.grad`` are DTensors viewing the gradient buffer. The original
+parameter may live on the mesh without the data-parallel dims (what
+``parallelize_module(..., data_parallel=...)`` makes, so that activations never claim
+``Replicate()`` over dp ranks that hold other samples) or on the whole mesh,
+``Replicate()`` on dp. A gradient
 that arrives ``Partial`` on a tp dim (sequence parallelism: norms, row-parallel
 biases) is reduced over tp by DTensor's in-place add as autograd accumulates it,
 so the dp reduce-scatter sees complete TP-local gradients; ``parallelize_module``'s
@@ -239,7 +243,9 @@ class FSDPEngine(DataParallelEngine):
             e.tensor_parallel for e in adopt
         )
         self.shard_mesh = dp_last_mesh(mesh, dp_dim) if self.tensor_parallel else mesh
-        self.placing = Placing(mesh, dp_dim, self.shard_mesh, self.tensor_parallel)
+        self.placing = Placing(
+            mesh, dp_dim, self.shard_mesh, self.tensor_parallel, replicate_dim=self.replicate_dim
+        )
         owner = assign_groups(group_modules, paths, params)
         self.groups: list[Group] = []
         for gi, (gname, gmod) in enumerate(group_modules):

@@ -19,7 +19,7 @@ from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor, Replicate
 
-from vescale.dmodule._dp_common import MixedPrecision, local_tensor
+from vescale.dmodule._dp_common import MixedPrecision, local_tensor, placements_on
 from vescale.dtensor import from_local
 
 __all__ = [
@@ -125,12 +125,19 @@ class Placing:
         shard_mesh: Mesh of the sharded parameters (``mesh``, or with tensor
             parallelism the same ranks with ``dp_dim`` moved last).
         tensor_parallel: Whether the parameters were DTensors.
+        replicate_dim: HSDP's replicated data-parallel mesh dim, or ``None``.
     """
 
     mesh: DeviceMesh
     dp_dim: int
     shard_mesh: DeviceMesh
     tensor_parallel: bool
+    replicate_dim: int | None = None
+
+    @property
+    def dp_dims(self) -> tuple[int, ...]:
+        """Every data-parallel mesh dim (the sharded one, and HSDP's replicated one)."""
+        return (self.dp_dim,) if self.replicate_dim is None else (self.replicate_dim, self.dp_dim)
 
     @property
     def world(self) -> int:
@@ -146,7 +153,9 @@ class Placing:
             return (self.mesh, fb.placements(slot.name)), {"shape": slot.shape}
         d = self.dp_dim
         orig_pl = (
-            tuple(orig.placements) if isinstance(orig, DTensor) else (Replicate(),) * self.mesh.ndim
+            self.placements_on_mesh(orig)
+            if isinstance(orig, DTensor)
+            else (Replicate(),) * self.mesh.ndim
         )
         others = [orig_pl[i] for i in range(self.mesh.ndim) if i != d]
         return (self.shard_mesh, (*others, slot.placement)), {
@@ -154,13 +163,24 @@ class Placing:
             "stride": tuple(orig.stride()),
         }
 
+    def placements_on_mesh(self, orig: DTensor) -> tuple:
+        """``orig``'s placements on ``mesh`` (it may live on the mesh without the dp dims)."""
+        pl = placements_on(orig, self.mesh, self.dp_dims)
+        assert pl is not None, "fully_shard checked every parameter's mesh"
+        return pl
+
     def compute(self, orig: torch.Tensor, view: torch.Tensor) -> torch.Tensor:
-        """The compute form of an unsharded view: a DTensor like ``orig`` if it is one."""
+        """The compute form of an unsharded view: a DTensor like ``orig`` if it is one.
+
+        It lives on ``orig``'s own mesh: ``mesh``, or the tensor-parallel sub-mesh
+        without the data-parallel dims (``parallelize_module(..., data_parallel=...)``),
+        so activations never claim ``Replicate()`` over ranks that hold other samples.
+        """
         if not isinstance(orig, DTensor):
             return view
         return from_local(
             view,
-            self.mesh,
+            orig.device_mesh,
             tuple(orig.placements),
             shape=tuple(orig.shape),
             stride=tuple(orig.stride()),

@@ -22,28 +22,33 @@ from vescale.dtensor import _compat
 __all__ = ["is_complement", "lift_placements", "drop_dim", "joint_mesh"]
 
 
-def is_complement(sub: DeviceMesh, mesh: DeviceMesh, dim: int) -> bool:
-    """True if ``sub`` is ``mesh`` without mesh dim ``dim``, at this rank's coordinate."""
-    if sub.ndim != mesh.ndim - 1 or sub.device_type != mesh.device_type:
+def is_complement(sub: DeviceMesh, mesh: DeviceMesh, dim: int | Sequence[int]) -> bool:
+    """True if ``sub`` is ``mesh`` without mesh dim(s) ``dim``, at this rank's coordinate."""
+    dims = sorted({dim} if isinstance(dim, int) else set(dim))
+    if sub.ndim != mesh.ndim - len(dims) or sub.device_type != mesh.device_type:
         return False
     coord = mesh.get_coordinate()
     if coord is None:
         return False
-    return torch.equal(mesh.mesh.select(dim, coord[dim]), sub.mesh)
+    grid = mesh.mesh
+    for d in reversed(dims):  # highest first: the lower indices stay valid
+        grid = grid.select(d, coord[d])
+    return torch.equal(grid, sub.mesh)
 
 
 def lift_placements(
-    sub: DeviceMesh, placements: Sequence[Placement], mesh: DeviceMesh, dim: int
+    sub: DeviceMesh, placements: Sequence[Placement], mesh: DeviceMesh, dim: int | Sequence[int]
 ) -> tuple[Placement, ...] | None:
     """``placements`` of a DTensor on ``sub`` read on ``mesh``, or ``None``.
 
-    Returns the placements with ``Replicate()`` inserted at mesh dim ``dim`` when ``sub``
-    is ``mesh`` without that dim (``is_complement``); ``None`` otherwise.
+    Returns the placements with ``Replicate()`` inserted at mesh dim(s) ``dim`` when
+    ``sub`` is ``mesh`` without those dims (``is_complement``); ``None`` otherwise.
     """
     if not is_complement(sub, mesh, dim):
         return None
-    pls = list(placements)
-    return tuple(pls[:dim] + [Replicate()] + pls[dim:])
+    dims = set([dim] if isinstance(dim, int) else dim)
+    rest = iter(placements)
+    return tuple(Replicate() if i in dims else next(rest) for i in range(mesh.ndim))
 
 
 def drop_dim(placements: Sequence[Placement], dim: int) -> tuple[Placement, ...]:
