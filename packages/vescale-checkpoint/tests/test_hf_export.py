@@ -134,20 +134,22 @@ def _peft_llama():
 
 def _lora_export(merged: str, adapter: str, mode: str) -> None:
     model = _peft_llama()
-    mesh = init_device_mesh("cpu", (4,), mesh_dim_names=(mode,))
     if mode == "tp":  # automatic TP plan; every rank sees the whole batch
-        parallelize_module(model, mesh)
+        parallelize_module(model, init_device_mesh("cpu", (4,), mesh_dim_names=("tp",)))
         _train(model, _batches(2))
+    elif mode == "fsdp_tp":  # 2 x 2: automatic TP plan, FSDP over dp
+        mesh = init_device_mesh("cpu", (2, 2), mesh_dim_names=("dp", "tp"))
+        parallelize_module(model, mesh, None, data_parallel={"dp": "fsdp"})
+        _train(model, _batches(2), mesh.get_local_rank("dp"), 2)
     else:
+        mesh = init_device_mesh("cpu", (4,), mesh_dim_names=("dp",))
         parallelize_module(model, mesh, {}, data_parallel={"dp": "fsdp"})
         _train(model, _batches(2), dist.get_rank(), 4)
     vckpt.export(model, merged, max_shard_size="30KB")
     vckpt.export(model, adapter, adapters="only")
 
 
-# FSDP x TP is left out: LoRA training itself differs from single-device peft there
-# (the adapters' gradients are wrong after the first backward; see docs/pretrained.md)
-@pytest.mark.parametrize("mode", ["tp", "dp"], ids=["tp4", "fsdp4"])
+@pytest.mark.parametrize("mode", ["tp", "dp", "fsdp_tp"], ids=["tp4", "fsdp4", "fsdp2xtp2"])
 def test_lora_exports_merged_and_as_adapter_like_single_device_peft(tmp_path, mode):
     pytest.importorskip("peft")
     import peft

@@ -183,3 +183,33 @@ def test_export_of_a_loaded_model_is_the_pretrained_one(tmp_path):
     idx = torch.randint(0, 64, (2, 8), generator=torch.Generator().manual_seed(1))
     with torch.no_grad():
         torch.testing.assert_close(b(idx).logits, a(idx).logits, atol=0, rtol=0)
+
+
+def test_peft_modules_to_save_original_and_copy_both_load_and_the_copy_exports(tmp_path):
+    # peft's modules_to_save keeps the frozen original (used with the adapter disabled)
+    # and a trained copy: load_hf fills both from the base name, export writes the copy
+    peft = pytest.importorskip("peft")
+    import transformers
+
+    import vescale.checkpoint as vckpt
+
+    d = _save("llama", tmp_path / "in")
+    src = transformers.AutoModelForCausalLM.from_pretrained(d)
+    torch.manual_seed(1)  # other random weights than the files'
+    model = peft.get_peft_model(
+        transformers.AutoModelForCausalLM.from_config(_config("llama")),
+        peft.LoraConfig(r=4, target_modules=["q_proj"], modules_to_save=["lm_head"]),
+    )
+    res = load_hf(model, d)
+    assert not res.missing and not res.unexpected, res
+    head = model.get_base_model().lm_head
+    want = src.lm_head.weight.detach()
+    torch.testing.assert_close(head.original_module.weight.detach(), want, atol=0, rtol=0)
+    torch.testing.assert_close(
+        head.modules_to_save["default"].weight.detach(), want, atol=0, rtol=0
+    )
+    with torch.no_grad():
+        head.modules_to_save["default"].weight.add_(1.0)  # "trained"
+    vckpt.export(model, tmp_path / "out")
+    back = transformers.AutoModelForCausalLM.from_pretrained(tmp_path / "out")
+    torch.testing.assert_close(back.lm_head.weight.detach(), want + 1.0)

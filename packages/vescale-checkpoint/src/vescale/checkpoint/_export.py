@@ -308,7 +308,11 @@ def _module_items(model: nn.Module) -> list[tuple[str, torch.Tensor, Callable, b
     lora = _lora_layers(model.get_base_model()) if _is_peft(model) else {}
     items: list[tuple[str, torch.Tensor, Callable, bool]] = []
     seen: set[int] = set()
-    for name, t, owner in _base_view(model):
+    view = _base_view(model)
+    last = {name: i for i, (name, _, _) in enumerate(view)}
+    for i, (name, t, owner) in enumerate(view):
+        if last[name] != i:
+            continue  # peft's modules_to_save: the trained copy (listed last) is written
         if id(t) in seen:
             continue  # a tied alias: written once, under its first name
         seen.add(id(t))

@@ -91,8 +91,11 @@ def _base_view(model: nn.Module) -> list[tuple[str, torch.Tensor, str | None]]:
 
     A plain model: its own ``state_dict`` names. A peft model: the names of the model
     peft wrapped (``...q_proj.base_layer.weight`` is ``...q_proj.weight``, the third
-    entry naming its LoRA layer); the adapters' own tensors are left out, and
-    ``modules_to_save`` copies stand in for their originals.
+    entry naming its LoRA layer); the adapters' own tensors are left out. A module in
+    peft's ``modules_to_save`` appears twice under its base name: the frozen original
+    (``...lm_head.original_module.weight``) first, then the trained copy
+    (``...lm_head.modules_to_save.<adapter>.weight``); `load_hf` fills both, `export`
+    writes the copy (the last entry of a name).
     """
     if not _is_peft(model):
         return [(k, t, None) for k, t in _state_tensors(model).items()]
@@ -107,7 +110,8 @@ def _base_view(model: nn.Module) -> list[tuple[str, torch.Tensor, str | None]]:
                 continue  # lora_A / lora_B / ... of the adapter itself
             out.append((f"{owner}.{rest[len('base_layer.') :]}", t, owner))
         elif ".original_module." in key:
-            continue  # peft's modules_to_save: the trained copy stands in for it
+            head, tail = key.split(".original_module.", 1)
+            out.append((f"{head}.{tail}", t, None))
         elif ".modules_to_save." in key:
             head, tail = key.split(".modules_to_save.", 1)
             out.append((f"{head}.{tail.split('.', 1)[1]}", t, None))
@@ -213,8 +217,8 @@ def load_hf(
     t0 = time.perf_counter()
     root = Path(path)
     wmap = _weight_map(root)
-    live = {name: t for name, t, _ in _base_view(model)}
-    strip, add = _key_mapping(list(live), set(wmap))
+    view = _base_view(model)
+    strip, add = _key_mapping(list(dict.fromkeys(n for n, _, _ in view)), set(wmap))
 
     def file_key(k: str) -> str | None:
         if strip and not k.startswith(strip):
@@ -223,8 +227,10 @@ def load_hf(
         return fk if fk in wmap else None
 
     # one entry per live tensor: tied aliases share it, filled from the first name found
+    # (a peft modules_to_save name has two tensors, the original and the trained copy:
+    # both are filled from it)
     by_id: dict[int, tuple[list[str], torch.Tensor]] = {}
-    for k, t in live.items():
+    for k, t, _ in view:
         by_id.setdefault(id(t), ([], t))[0].append(k)
     plan: list[tuple[str, str, torch.Tensor]] = []
     missing: list[str] = []
@@ -275,7 +281,7 @@ def load_hf(
                     dst.copy_(piece.reshape(dst.shape))
     finally:
         handles.clear()
-    loaded = sorted(k for names, _ in by_id.values() for k in names if k not in missing)
+    loaded = sorted({k for names, _ in by_id.values() for k in names if k not in missing})
     return LoadResult(
         missing=sorted(missing),
         unexpected=unexpected,
