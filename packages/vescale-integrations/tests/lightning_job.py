@@ -1,9 +1,9 @@
 """A Lightning job on 4 CPU processes, started by Lightning's own launcher.
 
 Phase 1 trains an unmodified HF LLaMA under FSDP over 4 ranks for one epoch and saves a
-Lightning checkpoint (through vescale.checkpoint); phase 2 resumes it under TP=4 (another
-layout: the checkpoint is resharded) for a second epoch. (FSDP x TP is left out: its
-gradients on HF LLaMA differ from one device's; see docs/lightning.md.) Rank 0 writes what it saw to
+Lightning checkpoint (through vescale.checkpoint); phase 2 resumes it under FSDP x TP on a
+2 x 2 mesh (another layout: the checkpoint is resharded) for a second epoch. Rank 0 writes
+what it saw to
 ``<out>/result.json``. Run by test_lightning.py; also ``python lightning_job.py OUT``.
 """
 
@@ -79,9 +79,10 @@ def main(out: Path) -> None:
     q = first.model.model.layers[0].self_attn.q_proj.weight
     layout = [isinstance(q, DTensor), [str(p) for p in q.placements]]
     t1.save_checkpoint(out / "ckpt")
-    # phase 2: TP=4, resumed from phase 1's checkpoint (resharded)
-    second = CausalLM(batch_size=8)
-    t2 = trainer(VescaleStrategy(mesh_shape=(4,), mesh_dim_names=("tp",)), epochs=2)
+    # phase 2: FSDP x TP (2 x 2, automatic TP plan), resumed from phase 1's checkpoint
+    # (resharded); each of the 2 data-parallel ranks gets half of every global batch of 8
+    second = CausalLM(batch_size=4)
+    t2 = trainer(VescaleStrategy(mesh_shape=(2, 2), data_parallel={"dp": "fsdp"}), epochs=2)
     t2.fit(second, ckpt_path=out / "ckpt")
     if t2.is_global_zero:
         result = {

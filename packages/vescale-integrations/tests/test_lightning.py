@@ -1,8 +1,8 @@
 """VescaleStrategy under Lightning's own launcher, against single-device Lightning.
 
 One launch (4 CPU processes, gloo) trains an unmodified HF LLaMA under FSDP over 4 ranks,
-saves a Lightning checkpoint through vescale.checkpoint, and resumes it under TP=4 (the
-checkpoint resharded): the losses of all four steps equal single-device Lightning
+saves a Lightning checkpoint through vescale.checkpoint, and resumes it under FSDP x TP on
+a 2 x 2 mesh (the checkpoint resharded): the losses of all four steps equal single-device Lightning
 training's.
 """
 
@@ -23,7 +23,7 @@ pytest.importorskip("transformers")
 HERE = Path(__file__).resolve().parent
 
 
-def test_fsdp_training_and_a_resharded_tp_resume_match_single_device(tmp_path):
+def test_fsdp_training_and_a_resharded_fsdp_x_tp_resume_match_single_device(tmp_path):
     sys.path.insert(0, str(HERE))
     try:
         import lightning_job
