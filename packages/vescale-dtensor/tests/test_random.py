@@ -199,3 +199,34 @@ def test_microbatch_rng_draws_the_whole_batch_mask():
     with pytest.raises(ValueError, match="microbatches must be an int >= 1"):
         with vrandom.microbatch_rng(0, 0):
             pass
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+@distributed(4)
+def test_random_ops_equal_one_device_on_cuda():
+    """The CUDA generator: 4 ranks on the local GPU(s) (gloo carries the few collectives),
+    dropout and fills on DTensors equal one CUDA device's draw, and the generator ends in
+    the same state; dropout inside ``data_parallel_rng`` draws the global batch's mask."""
+    dev = torch.device("cuda", torch.distributed.get_rank() % torch.cuda.device_count())
+    torch.cuda.set_device(dev)
+    mesh = init_device_mesh("cuda", (2, 2), mesh_dim_names=("dp", "tp"))
+    for pl in PLACEMENTS:
+        full = torch.arange(5 * 6 * 7, dtype=torch.float32, device=dev).reshape(5, 6, 7) + 1
+        x = distribute_tensor(full, mesh, pl, src_data_rank=None)
+        for name in ("dropout", "rand_like", "randn_like", "bernoulli_", "normal_"):
+            op = OPS[name]
+            torch.manual_seed(7)
+            got, got_next = op(x), torch.rand(3, device=dev)
+            torch.manual_seed(7)
+            want, want_next = op(full), torch.rand(3, device=dev)
+            _same(got, want, f"cuda {name} {pl}")
+            assert torch.equal(got_next, want_next), f"cuda generator state after {name} {pl}"
+    dp_rank = mesh.get_coordinate()[0]
+    full = torch.randn(8, 4, 6, device=dev, generator=torch.Generator(dev).manual_seed(0))
+    torch.manual_seed(4)
+    want = F.dropout(full, 0.5)[dp_rank * 4 : dp_rank * 4 + 4]
+    torch.manual_seed(4)
+    with vrandom.data_parallel_rng(mesh, "dp"):
+        got = F.dropout(full[dp_rank * 4 : dp_rank * 4 + 4], 0.5)
+    assert torch.equal(got, want)
