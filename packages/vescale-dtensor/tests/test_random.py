@@ -230,3 +230,22 @@ def test_random_ops_equal_one_device_on_cuda():
     with vrandom.data_parallel_rng(mesh, "dp"):
         got = F.dropout(full[dp_rank * 4 : dp_rank * 4 + 4], 0.5)
     assert torch.equal(got, want)
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+def test_microbatch_rng_on_cuda():
+    """Micro-batches restarted from one CUDA generator state get the whole batch's mask
+    (what a pipeline stage does on CUDA), and the generator ends where one device's does."""
+    x = torch.randn(6, 5, 4, device="cuda") + 3.0
+    torch.manual_seed(7)
+    start = torch.cuda.get_rng_state()
+    whole = F.dropout(x, 0.5)
+    after = torch.rand(3, device="cuda")
+    parts = []
+    for i, mb in enumerate(x.chunk(3)):
+        torch.cuda.set_rng_state(start)
+        with vrandom.microbatch_rng(i, 3):
+            parts.append(F.dropout(mb, 0.5))
+    torch.testing.assert_close(torch.cat(parts), whole, rtol=0, atol=0)
+    torch.testing.assert_close(torch.rand(3, device="cuda"), after, rtol=0, atol=0)
