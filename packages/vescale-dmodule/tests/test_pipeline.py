@@ -327,6 +327,12 @@ def test_side_tensors_travel_and_bad_options():
     ref_loss.backward()
     if pp.has_last_stage:
         torch.testing.assert_close(loss, ref_loss.detach())
+    # eval_step: the same loss, forward only (the gradients stay those of the step)
+    eval_loss = pp.eval_step(x, target=y)
+    if pp.has_last_stage:
+        torch.testing.assert_close(eval_loss, ref_loss.detach())
+    else:
+        assert loss is None and eval_loss is None
     grads = dict(ref.named_parameters())
     for n, p in pp.named_parameters():
         torch.testing.assert_close(p.grad, grads[n].grad, atol=1e-6, rtol=1e-5)

@@ -56,15 +56,8 @@ def resolve_checkpoint(path: str | os.PathLike) -> Path:
     if p.exists():
         return p
     best: tuple[int, Path] | None = None
-    try:
-        entries = list(p.parent.iterdir())
-    except OSError:
-        return p
-    for d in entries:
-        if not d.name.startswith(p.name + "."):
-            continue
-        m = _TMP_RE.fullmatch(d.name[len(p.name) :])
-        if m is None or m.group(1) != "old" or not d.is_dir() or not _is_complete_dir(d):
+    for kind, _, d in _staging_dirs(p):
+        if kind != "old" or not _is_complete_dir(d):
             continue
         created = _created_ns(d)
         if best is None or created > best[0]:
@@ -219,6 +212,24 @@ _TMP_RE = re.compile(r"\.(tmp|old)-([0-9a-f]{12})$")
 LOCK_NAME = ".vescale-save.lock"
 
 
+def _staging_dirs(final: Path) -> list[tuple[str, str, Path]]:
+    """``(kind, save id, directory)`` of each ``<final>.tmp-<id>`` / ``<final>.old-<id>``
+    directory beside ``final`` (``kind`` is ``"tmp"`` or ``"old"``; none if the parent
+    cannot be listed)."""
+    try:
+        entries = list(final.parent.iterdir())
+    except OSError:
+        return []
+    out = []
+    for d in entries:
+        if not d.name.startswith(final.name + "."):
+            continue
+        m = _TMP_RE.fullmatch(d.name[len(final.name) :])
+        if m is not None and d.is_dir():
+            out.append((m.group(1), m.group(2), d))
+    return out
+
+
 def series_pattern(name: str) -> re.Pattern[str] | None:
     """The names in the same rotation series as ``name``: same text, another trailing number.
 
@@ -324,19 +335,9 @@ def clean_stale(final: str | os.PathLike, keep_id: str) -> list[Path]:
     is held by a live process (another save of the same path in progress) is kept, as
     is anything belonging to ``keep_id``. Returns the deleted paths.
     """
-    final = Path(final)
     deleted = []
-    try:
-        entries = list(final.parent.iterdir())
-    except OSError:
-        return deleted
-    for d in entries:
-        if not d.name.startswith(final.name + "."):
-            continue
-        m = _TMP_RE.fullmatch(d.name[len(final.name) :])
-        if m is None or m.group(2) == keep_id or not d.is_dir():
-            continue
-        if m.group(1) == "tmp" and not _is_stale(d):
+    for kind, save_id, d in _staging_dirs(Path(final)):
+        if save_id == keep_id or (kind == "tmp" and not _is_stale(d)):
             continue
         shutil.rmtree(d, ignore_errors=True)
         deleted.append(d)

@@ -106,13 +106,7 @@ class DDPEngine(DataParallelEngine):
         device: torch.device,
         mixed_precision: MixedPrecision | None = None,
     ) -> None:
-        self.module = module
-        self.mesh = mesh
-        self.dp_dim = dp_dim
-        self.pg = mesh.get_group(dp_dim)
-        self.world = mesh.size(dp_dim)
-        self._sync = True
-        self._cb_queued = False
+        super().__init__(module, mesh, dp_dim)
         self.launch_log: list[int] = []
         ordered = [p for p in module.parameters()]
         for p in ordered:

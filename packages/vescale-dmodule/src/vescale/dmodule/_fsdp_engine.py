@@ -168,11 +168,7 @@ class FSDPEngine(DataParallelEngine):
         adopt: Sequence[FSDPEngine] = (),
         ignored: frozenset[int] = frozenset(),
     ) -> None:
-        self.module = module
-        self.mesh = mesh
-        self.dp_dim = dp_dim
-        self.world = mesh.size(dp_dim)
-        self.pg = mesh.get_group(dp_dim)
+        super().__init__(module, mesh, dp_dim)
         # HSDP: the sharded gradients are also averaged over this mesh dim
         self.replicate_dim = replicate_dim
         self.rep_world = 1 if replicate_dim is None else mesh.size(replicate_dim)
@@ -188,8 +184,6 @@ class FSDPEngine(DataParallelEngine):
         self._own_copy_bytes = 0
         self.peak_unsharded_bytes = 0
         self._live_bytes = 0
-        self._sync = True
-        self._cb_queued = False
         self._fwd_order: list[Group] = []
         self._cur_fwd_order: list[Group] = []
         self._post_fwd_order: list[Group] = []

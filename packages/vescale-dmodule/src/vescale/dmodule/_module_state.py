@@ -17,6 +17,8 @@ from typing import TYPE_CHECKING, Any
 from torch import nn
 
 if TYPE_CHECKING:
+    from torch.distributed.device_mesh import DeviceMesh
+
     from vescale.dmodule._activation_checkpoint import _ACState
     from vescale.dmodule._api import _State
 
@@ -33,6 +35,21 @@ class DataParallelEngine:
     """
 
     _sync: bool = True
+
+    def __init__(self, module: nn.Module, mesh: DeviceMesh, dp_dim: int) -> None:
+        """Bind the engine to ``module`` and the data-parallel mesh dim ``dp_dim``.
+
+        Sets ``module``, ``mesh``, ``dp_dim``, ``pg`` (the dp dim's process group) and
+        ``world`` (its size); gradients are synchronised (`no_sync` off) and no
+        end-of-backward callback is queued yet (``_cb_queued``).
+        """
+        self.module = module
+        self.mesh = mesh
+        self.dp_dim = dp_dim
+        self.pg = mesh.get_group(dp_dim)
+        self.world = mesh.size(dp_dim)
+        self._sync = True
+        self._cb_queued = False
 
     @contextlib.contextmanager
     def no_sync(self) -> Iterator[None]:

@@ -378,11 +378,18 @@ class PipelineParallel:
             On ranks holding the last stage, the loss: the mean of the micro-batch
             losses (a detached 0-dim tensor). ``None`` elsewhere.
         """
+        return self._run_schedule(self.schedule.step, inputs, target)
+
+    def _run_schedule(
+        self, run: Callable[..., Any], inputs: tuple, target: torch.Tensor | None
+    ) -> torch.Tensor | None:
+        """``run`` (``schedule.step`` or ``schedule.eval``) on this rank's stages' share of
+        the batch; the summed detached micro-batch losses on ranks with the last stage."""
         losses: list[torch.Tensor] | None = [] if self.has_last_stage else None
         args = inputs if self.has_first_stage else ()
         tgt = target if self.has_last_stage else None
         with self._random_stream():
-            self.schedule.step(*args, target=tgt, losses=losses)
+            run(*args, target=tgt, losses=losses)
         if losses is None:
             return None
         return torch.stack([loss.detach() for loss in losses]).sum()
@@ -419,14 +426,7 @@ class PipelineParallel:
 
         Same arguments and return value as `step`.
         """
-        losses: list[torch.Tensor] | None = [] if self.has_last_stage else None
-        args = inputs if self.has_first_stage else ()
-        tgt = target if self.has_last_stage else None
-        with self._random_stream():
-            self.schedule.eval(*args, target=tgt, losses=losses)
-        if losses is None:
-            return None
-        return torch.stack([loss.detach() for loss in losses]).sum()
+        return self._run_schedule(self.schedule.eval, inputs, target)
 
     def parameters(self) -> Iterator[nn.Parameter]:
         """Parameters of this rank's stages."""

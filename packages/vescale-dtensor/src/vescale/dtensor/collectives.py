@@ -143,20 +143,41 @@ def all_reduce_coalesced(
         The reduced tensors, in input order.
     """
     pg = resolve_group(group)
+    return _reduce_coalesced(
+        tensors,
+        pg,
+        op,
+        async_op,
+        lambda ts, name: funcol.all_reduce(
+            torch.cat([t.reshape(-1) for t in ts]), name, pg.group_name
+        ),
+        lambda buf, ts: [p.view(t.shape) for p, t in zip(buf.split([t.numel() for t in ts]), ts)],
+    )
+
+
+def _reduce_coalesced(
+    tensors: Sequence[torch.Tensor],
+    pg: Any,
+    op: str | Any,
+    async_op: bool,
+    launch: Callable[[list[torch.Tensor], str], torch.Tensor],
+    split: Callable[[torch.Tensor, list[torch.Tensor]], list[torch.Tensor]],
+) -> list[torch.Tensor] | CollectiveHandle:
+    """`_coalesced` for a reduction ``op`` over ``pg``.
+
+    ``launch(ts, name)`` packs one dtype's tensors and starts the collective with the
+    backend's op ``name``; ``split(buf, ts)`` cuts its finished buffer, already
+    divided by the group size where ``"avg"`` ran as a sum, into one result per tensor.
+    """
     name, divide = _reduce_plan(pg, op)
     n = pg.size()
 
     def unpack(buf: torch.Tensor, ts: list[torch.Tensor]) -> list[torch.Tensor]:
         if divide:
             divide_(buf, n)
-        return [p.view(t.shape) for p, t in zip(buf.split([t.numel() for t in ts]), ts)]
+        return split(buf, ts)
 
-    return _coalesced(
-        tensors,
-        lambda ts: funcol.all_reduce(torch.cat([t.reshape(-1) for t in ts]), name, pg.group_name),
-        unpack,
-        async_op,
-    )
+    return _coalesced(tensors, lambda ts: launch(ts, name), unpack, async_op)
 
 
 def _coalesced(
@@ -374,26 +395,26 @@ def reduce_scatter_coalesced(
     """
     pg = resolve_group(group)
     n = pg.size()
-    name, divide = _reduce_plan(pg, op)
+    reduce_op_name(op)  # a bad op is reported before a bad shape
     for t in tensors:
         if t.ndim == 0 or t.shape[0] % n:
             raise ValueError(
                 f"reduce_scatter_coalesced: dim 0 of every tensor must be divisible by {n}, got {tuple(t.shape)}"
             )
 
-    def unpack(buf: torch.Tensor, ts: list[torch.Tensor]) -> list[torch.Tensor]:
-        if divide:
-            divide_(buf, n)
+    def split(buf: torch.Tensor, ts: list[torch.Tensor]) -> list[torch.Tensor]:
         pieces = buf.split([t.numel() // n for t in ts])
         return [p.view(t.shape[0] // n, *t.shape[1:]) for p, t in zip(pieces, ts)]
 
-    return _coalesced(
+    return _reduce_coalesced(
         tensors,
-        lambda ts: funcol.reduce_scatter_tensor(
+        pg,
+        op,
+        async_op,
+        lambda ts, name: funcol.reduce_scatter_tensor(
             torch.cat([t.reshape(n, -1) for t in ts], dim=1).reshape(-1), name, n, pg.group_name
         ),
-        unpack,
-        async_op,
+        split,
     )
 
 
