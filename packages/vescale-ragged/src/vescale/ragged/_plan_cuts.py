@@ -175,46 +175,83 @@ def _verified(grid: _Grid, s: int, n: int, furthest: list[int]) -> list[int] | N
     For when the bound-driven passes fail (a parameter holds two cuts while ``s`` is
     not a multiple of its step, so the furthest-right rule is not monotone). A known
     feasible chain ``chain[r:]`` is kept (first the furthest-right cuts); a candidate
-    cut is accepted when the furthest-right cuts from it rejoin that chain or reach
-    the end. Candidates move from the target toward the chain's own cut, which is
+    cut ``c`` for cut ``r`` is accepted when the furthest-right cuts from it reach the
+    end, i.e. when it needs at most ``n - 1 - r`` furthest-right steps to come within
+    ``s`` of the end (`_Hops`); the chain from ``r`` on is then the furthest-right cuts
+    from ``c``. Candidates move from the target toward the chain's own cut, which is
     always accepted.
+
+    Every ``chain[j]`` past the last accepted cut is the furthest-right step from
+    ``chain[j - 1]``, so the chain is kept as its current cut only, and the hop counts
+    are memoised per position: the work is the number of distinct positions visited,
+    not ranks x candidates x ranks.
     """
     d = grid.total
-    chain = list(furthest)
-
-    def follow(r: int, c: int) -> list[int] | None:
-        path = [c]
-        for j in range(r + 1, n):
-            if path[-1] == chain[j - 1] and j - 1 > r:
-                return path[:-1] + chain[j - 1 :]
-            allowed = grid.forward(path[-1], s)
-            if allowed is None:
-                return None
-            path.append(allowed[1])
-        if d - path[-1] > s:
-            return None
-        return path + [d]
-
+    hops = _Hops(grid, s)
+    cuts = [0]
+    cur = furthest[1] if n > 1 else d  # chain[r]
     prev = 0
     for r in range(1, n):
         allowed = grid.forward(prev, s)
         if allowed is None:  # pragma: no cover - the chain's cut is always allowed
             return None
-        lo, hi = allowed[0], min(allowed[1], chain[r]) if chain[r] >= allowed[0] else allowed[1]
+        lo, hi = allowed[0], min(allowed[1], cur) if cur >= allowed[0] else allowed[1]
         target = prev + (d - prev) // (n - r + 1)
         c = grid.nearest(target, lo, hi)
         for _ in range(24):
-            if c == chain[r]:
+            if c == cur:
                 break
-            path = follow(r, c)
-            if path is not None:
-                chain[r:] = path
+            if hops.count(c) <= n - 1 - r:
                 break
-            c = grid.nearest((c + chain[r] + 1) // 2, min(c, chain[r]), max(c, chain[r]))
+            c = grid.nearest((c + cur + 1) // 2, min(c, cur), max(c, cur))
         else:
-            c = chain[r]
+            c = cur
+        cuts.append(c)
         prev = c
-    return chain
+        cur = hops.step(c) if r + 1 < n else d
+    cuts.append(d)
+    return cuts
+
+
+class _Hops:
+    """Furthest-right steps from a position, memoised: ``step(x)`` is where the slice
+    starting at ``x`` ends when it goes as far right as the rules allow (``None``: no
+    boundary may end it), ``count(x)`` how many such steps bring ``x`` within ``s`` of
+    the end (a large number when never)."""
+
+    NEVER = 1 << 62
+
+    def __init__(self, grid: _Grid, s: int) -> None:
+        self.grid = grid
+        self.s = s
+        self.next: dict[int, int | None] = {}
+        self.hops: dict[int, int] = {}
+
+    def step(self, x: int) -> int | None:
+        y = self.next.get(x, -1)
+        if y == -1:
+            allowed = self.grid.forward(x, self.s)
+            y = self.next[x] = None if allowed is None else allowed[1]
+        return y
+
+    def count(self, x: int) -> int:
+        hops, d, s = self.hops, self.grid.total, self.s
+        path = []
+        while x not in hops:
+            if d - x <= s:
+                hops[x] = 0
+                break
+            y = self.step(x)
+            if y is None or y <= x:  # a dead end, or a slice that cannot move on
+                hops[x] = self.NEVER
+                break
+            path.append(x)
+            x = y
+        v = hops[x]
+        for p in reversed(path):
+            v = v + 1 if v < self.NEVER else v
+            hops[p] = v
+        return v
 
 
 def _usable(grid: _Grid, cuts: list[int], s: int) -> bool:

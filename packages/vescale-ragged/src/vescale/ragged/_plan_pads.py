@@ -37,6 +37,19 @@ def _never_fits(l: int, g: int, s: int) -> bool:
     return min(s, l - 1) // g * g < l - s
 
 
+def _fit_threshold(l: int, g: int) -> int:
+    """From which slice length on a parameter of ``l`` elements and unit ``g`` always fits.
+
+    Below it, `_never_fits` is true exactly for the lengths that are not multiples of
+    ``g``. At ``s >= l`` it holds no cut; at ``l / 2 <= s < l`` one cut, at an offset
+    in ``[l - s, s]`` that must be a multiple ``k * g`` (``k >= 1``), which first exists
+    at ``s = max(k * g, l - k * g)``, least near ``k = l / (2 * g)``, and then for every
+    larger ``s`` (the interval only grows).
+    """
+    k = max(1, l // (2 * g))
+    return min(l, max(k * g, l - k * g), max((k + 1) * g, l - (k + 1) * g))
+
+
 def _next_start(u: int, l: int, g: int, s: int, limit: int) -> int | None:
     """The smallest allowed start ``>= u``; ``None`` if it is above ``limit``."""
     while u <= limit:
@@ -137,17 +150,31 @@ class _Even:
         s = -(-share // forced) * forced
         long = [i for i in self.tight if self.sizes[i] > s]
         exact = True
+        # a long parameter takes every s from its threshold on, below it only multiples
+        # of its unit: the lengths it can never take are skipped (`_never_fits`)
+        th = sorted((_fit_threshold(self.sizes[i], self.steps[i]), self.steps[i]) for i in long)
+        ts = [t for t, _ in th]
+        lcms = [forced] * (len(th) + 1)  # lcms[k]: forced and the units of th[k:]
+        for k in range(len(th) - 1, -1, -1):
+            lcms[k] = math.lcm(lcms[k + 1], th[k][1])
         while s < s1:
-            if not any(_never_fits(self.sizes[i], self.steps[i], s) for i in long):
-                pads, excess = self.least_pads(s)
-                if pads is not None:
-                    return s, pads, exact
-                if self.work > self.SEARCH_BUDGET:
-                    # skip ahead: at least the missing padding over N, at most ~32 more tries
-                    exact = False
-                    jump = max(-(-excess // n), (s1 - s) // 32)
-                    s += max(1, -(-jump // forced)) * forced
-                    continue
+            k = bisect.bisect_right(ts, s)
+            c = -(-s // lcms[k]) * lcms[k]
+            if k < len(ts) and c >= ts[k]:
+                s = max(s, -(-ts[k] // forced) * forced)
+                continue
+            if c > s:
+                s = c
+                continue
+            pads, excess = self.least_pads(s)
+            if pads is not None:
+                return s, pads, exact
+            if self.work > self.SEARCH_BUDGET:
+                # skip ahead: at least the missing padding over N, at most ~32 more tries
+                exact = False
+                jump = max(-(-excess // n), (s1 - s) // 32)
+                s += max(1, -(-jump // forced)) * forced
+                continue
             s += forced
         pads, _ = self.least_pads(s1)
         if pads is None:  # pragma: no cover - S1 always fits
