@@ -8,10 +8,6 @@
 
 from __future__ import annotations
 
-import importlib.util
-import pathlib
-import sys
-
 import pytest
 import torch
 
@@ -21,17 +17,12 @@ from vescale.dmodule import DModule
 from vescale.dmodule.api import parallelize_module
 from vescale.dtensor.device_mesh import init_device_mesh
 from vescale.dtensor.placement_types import Replicate, Shard
-from vescale.dtensor.testing import distributed
+from vescale.dtensor.testing import distributed, load_helper
 from vescale.optim import clip_grad_norm_
 from vescale.optim.base_optimizer import BasicOptimizer
 from vescale.optim.distributed_optimizer import DistributedOptimizer
 
-_spec = importlib.util.spec_from_file_location(
-    "_vescale_compat_models", pathlib.Path(__file__).with_name("_models.py")
-)
-M = sys.modules.setdefault("_vescale_compat_models", importlib.util.module_from_spec(_spec))
-if not hasattr(M, "RegressionMLP"):
-    _spec.loader.exec_module(M)
+M = load_helper(__file__, "_models")
 
 STEPS = 3
 ADAMW = {"lr": 0.05, "betas": (0.9, 0.95), "weight_decay": 0.1}

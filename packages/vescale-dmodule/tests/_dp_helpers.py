@@ -2,6 +2,9 @@
 
 from __future__ import annotations
 
+import contextlib
+from collections.abc import Callable
+
 import torch
 import torch.nn.functional as F
 from torch import nn
@@ -112,3 +115,82 @@ def fresh_caches() -> None:
     from vescale.dtensor import _compat
 
     _compat.clear_dtensor_caches()
+
+
+def train_steps(model: nn.Module, mesh: DeviceMesh, data, *, micro: int = 1, accumulate=None):
+    """AdamW steps of ``model`` on this rank's slice (over ``mesh``'s "dp" dim) of ``data``.
+
+    Each step runs ``micro`` micro-batches. ``accumulate(model, last)`` is called before
+    each one (FSDP2's ``set_requires_gradient_sync`` pattern); without it, all but the
+    last run under ``no_sync``. Returns the dp-averaged loss of every step and the
+    optimizer.
+    """
+    from vescale.dmodule import no_sync
+
+    group = mesh.get_group("dp")
+    n = group.size()
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-2, weight_decay=0.1)
+    losses = []
+    for idx, tgt in data:
+        idx, tgt = local_slice(idx, mesh), local_slice(tgt, mesh)
+        opt.zero_grad()
+        total = torch.zeros(())
+        for k, (ci, ct) in enumerate(zip(idx.chunk(micro), tgt.chunk(micro))):
+            last = k == micro - 1
+            if accumulate is not None:
+                accumulate(model, last)
+            with contextlib.nullcontext() if accumulate is not None or last else no_sync(model):
+                loss = gpt_loss(model, ci, ct) / micro
+                loss.backward()
+            total += loss.detach()
+        torch.distributed.all_reduce(total, group=group)
+        losses.append(total.item() / n)
+        opt.step()
+    return losses, opt
+
+
+def train_dp(
+    wrap: Callable[[nn.Module, DeviceMesh], nn.Module],
+    n: int,
+    *,
+    micro: int = 1,
+    two_d: bool = False,
+    mp=None,
+):
+    """`train_steps` of ``wrap(make_gpt(), mesh)`` (DDP or FSDP over the "dp" dim of
+    ``mesh_for(n, two_d)``) on `batches`, next to `train_reference` on one device (under
+    bf16 autocast when ``mp`` is set). Returns ``(model, ref, losses, ref_losses)``.
+    """
+    mesh = mesh_for(n, two_d)
+    data = batches()
+    ref = make_gpt()
+    ref_losses = train_reference(ref, data, micro=micro, autocast=mp is not None)
+    model = wrap(make_gpt(), mesh)
+    losses, _ = train_steps(model, mesh, data, micro=micro)
+    return model, ref, losses, ref_losses
+
+
+def train_sometimes(wrap: Callable[[nn.Module, DeviceMesh], nn.Module]) -> nn.Module:
+    """Five AdamW steps of `Sometimes` (``extra`` used on even steps only) wrapped by
+    ``wrap(module, mesh_for(4))`` next to one device; the parameters must end equal and
+    ``extra.weight.grad`` be ``None`` exactly after the steps that left it unused."""
+    mesh = mesh_for(4)
+    torch.manual_seed(0)
+    ref = Sometimes()
+    torch.manual_seed(0)
+    model = wrap(Sometimes(), mesh)
+    opt_r = torch.optim.AdamW(ref.parameters(), lr=1e-2, weight_decay=0.1)
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-2, weight_decay=0.1)
+    g = torch.Generator().manual_seed(3)
+    for step in range(5):
+        x = torch.randn(8, 8, generator=g)
+        ref.use_extra = model.use_extra = step % 2 == 0
+        opt_r.zero_grad()
+        opt.zero_grad()
+        F.mse_loss(ref(x), torch.zeros(8, 4)).backward()
+        F.mse_loss(model(local_slice(x, mesh)), torch.zeros(2, 4)).backward()
+        assert (model.extra.weight.grad is None) == (step % 2 == 1), step
+        opt_r.step()
+        opt.step()
+    assert_params_close(model, ref)
+    return model

@@ -8,9 +8,6 @@ blocks' own saved tensors. HSDP + checkpointing is in ``test_hsdp.py``.
 
 from __future__ import annotations
 
-import importlib.util
-import pathlib
-
 import pytest
 import torch
 import torch.distributed as dist
@@ -21,18 +18,14 @@ from vescale.dmodule._activation_checkpoint import is_checkpointed, resolve_chec
 from vescale.dmodule.testing import Block
 from vescale.dtensor import DTensor, init_device_mesh
 from vescale.dtensor.debug import CommDebugMode
-from vescale.dtensor.testing import distributed
+from vescale.dtensor.testing import distributed, load_helper
 
 
 def _checkpointed(model: torch.nn.Module) -> list[str]:
     return [n for n, m in model.named_modules() if is_checkpointed(m)]
 
 
-_spec = importlib.util.spec_from_file_location(
-    "_dp_helpers", pathlib.Path(__file__).with_name("_dp_helpers.py")
-)
-H = importlib.util.module_from_spec(_spec)
-_spec.loader.exec_module(H)
+H = load_helper(__file__, "_dp_helpers")
 
 
 def _loss(model, idx, tgt):

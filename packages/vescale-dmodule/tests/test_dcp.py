@@ -10,8 +10,6 @@ every other and into a plain single-device model, values exactly equal.
 from __future__ import annotations
 
 import copy
-import importlib.util
-import pathlib
 
 import pytest
 import torch
@@ -28,14 +26,10 @@ from torch.distributed.checkpoint.state_dict import (
 
 from vescale.dmodule import DModule, fully_shard, parallelize_module, replicate
 from vescale.dtensor import DTensor, init_device_mesh
-from vescale.dtensor.testing import distributed
+from vescale.dtensor.testing import distributed, load_helper
 from vescale.ragged import RaggedShard
 
-_spec = importlib.util.spec_from_file_location(
-    "_dp_helpers", pathlib.Path(__file__).with_name("_dp_helpers.py")
-)
-H = importlib.util.module_from_spec(_spec)
-_spec.loader.exec_module(H)
+H = load_helper(__file__, "_dp_helpers")
 
 ENGINES = ["ddp", "fsdp", "hsdp", "tp", "fsdp_tp"]
 FULL = StateDictOptions(full_state_dict=True)

@@ -2,12 +2,8 @@
 
 from __future__ import annotations
 
-import importlib.util
-import pathlib
-
 import pytest
 import torch
-import torch.nn.functional as F
 from torch import nn
 
 from vescale.debug import enable_gradient_sync_debug
@@ -16,42 +12,20 @@ from vescale.dmodule._dp_common import dp_memory_bytes
 from vescale.dmodule._fsdp import fully_shard, get_dp_engine, no_sync
 from vescale.dtensor import DTensor
 from vescale.dtensor.debug import CommDebugMode
-from vescale.dtensor.testing import distributed
+from vescale.dtensor.testing import distributed, load_helper
 
-_spec = importlib.util.spec_from_file_location(
-    "_dp_helpers", pathlib.Path(__file__).with_name("_dp_helpers.py")
-)
-H = importlib.util.module_from_spec(_spec)
-_spec.loader.exec_module(H)
+H = load_helper(__file__, "_dp_helpers")
 
 SMALL_BUCKETS = 0.004  # MiB: several buckets for the test GPT
 
 
 def _ddp_train(n, *, micro=1, two_d=False, bucket_cap_mb=SMALL_BUCKETS):
-    mesh = H.mesh_for(n, two_d)
-    data = H.batches()
-    ref = H.make_gpt()
-    ref_losses = H.train_reference(ref, data, micro=micro)
-    model = replicate(H.make_gpt(), mesh, "dp", bucket_cap_mb=bucket_cap_mb)
-    opt = torch.optim.AdamW(model.parameters(), lr=1e-2, weight_decay=0.1)
-    losses = []
-    for idx, tgt in data:
-        idx, tgt = H.local_slice(idx, mesh), H.local_slice(tgt, mesh)
-        opt.zero_grad()
-        total = torch.zeros(())
-        for k, (ci, ct) in enumerate(zip(idx.chunk(micro), tgt.chunk(micro))):
-            if k < micro - 1:
-                with no_sync(model):
-                    loss = H.gpt_loss(model, ci, ct) / micro
-                    loss.backward()
-            else:
-                loss = H.gpt_loss(model, ci, ct) / micro
-                loss.backward()
-            total += loss.detach()
-        torch.distributed.all_reduce(total, group=mesh.get_group("dp"))
-        losses.append(total.item() / n)
-        opt.step()
-    return model, ref, losses, ref_losses
+    return H.train_dp(
+        lambda m, mesh: replicate(m, mesh, "dp", bucket_cap_mb=bucket_cap_mb),
+        n,
+        micro=micro,
+        two_d=two_d,
+    )
 
 
 @pytest.mark.parametrize("n", [2, 4])
@@ -76,25 +50,7 @@ def test_ddp_grad_accumulation_and_2d_mesh():
 
 @distributed(4)
 def test_ddp_unused_parameter_some_steps():
-    mesh = H.mesh_for(4)
-    torch.manual_seed(0)
-    ref = H.Sometimes()
-    torch.manual_seed(0)
-    model = replicate(H.Sometimes(), mesh, "dp", bucket_cap_mb=0.0005)
-    opt_r = torch.optim.AdamW(ref.parameters(), lr=1e-2, weight_decay=0.1)
-    opt = torch.optim.AdamW(model.parameters(), lr=1e-2, weight_decay=0.1)
-    g = torch.Generator().manual_seed(3)
-    for step in range(5):
-        x = torch.randn(8, 8, generator=g)
-        ref.use_extra = model.use_extra = step % 2 == 0
-        opt_r.zero_grad()
-        opt.zero_grad()
-        F.mse_loss(ref(x), torch.zeros(8, 4)).backward()
-        F.mse_loss(model(H.local_slice(x, mesh)), torch.zeros(2, 4)).backward()
-        assert (model.extra.weight.grad is None) == (step % 2 == 1)
-        opt_r.step()
-        opt.step()
-    H.assert_params_close(model, ref)
+    H.train_sometimes(lambda m, mesh: replicate(m, mesh, "dp", bucket_cap_mb=0.0005))
 
 
 @distributed(4)

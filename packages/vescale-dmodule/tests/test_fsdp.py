@@ -2,66 +2,35 @@
 
 from __future__ import annotations
 
-import importlib.util
-import pathlib
-
 import pytest
 import torch
-import torch.nn.functional as F
 from torch import nn
 
 from vescale.dmodule._dp_common import MixedPrecision, dp_memory_bytes
-from vescale.dmodule._fsdp import fully_shard, get_dp_engine, no_sync
+from vescale.dmodule._fsdp import fully_shard, get_dp_engine
 from vescale.dtensor import DTensor, Replicate
 from vescale.dtensor.debug import CommDebugMode
-from vescale.dtensor.testing import distributed
+from vescale.dtensor.testing import distributed, load_helper
 from vescale.ragged import RaggedShard
 
-_spec = importlib.util.spec_from_file_location(
-    "_dp_helpers", pathlib.Path(__file__).with_name("_dp_helpers.py")
-)
-H = importlib.util.module_from_spec(_spec)
-_spec.loader.exec_module(H)
+H = load_helper(__file__, "_dp_helpers")
 
 
 def _fsdp_train(n, *, reshard=True, prefetch=True, micro=1, two_d=False, mp=None):
-    mesh = H.mesh_for(n, two_d)
-    data = H.batches()
-    ref = H.make_gpt()
-    ref_losses = H.train_reference(ref, data, micro=micro, autocast=mp is not None)
-    model = fully_shard(
-        H.make_gpt(),
-        mesh,
-        "dp",
-        reshard_after_forward=reshard,
-        prefetch=prefetch,
-        mixed_precision=mp,
+    return H.train_dp(
+        lambda m, mesh: fully_shard(
+            m,
+            mesh,
+            "dp",
+            reshard_after_forward=reshard,
+            prefetch=prefetch,
+            mixed_precision=mp,
+        ),
+        n,
+        micro=micro,
+        two_d=two_d,
+        mp=mp,
     )
-    opt = torch.optim.AdamW(model.parameters(), lr=1e-2, weight_decay=0.1)
-    losses = []
-    for idx, tgt in data:
-        idx, tgt = H.local_slice(idx, mesh), H.local_slice(tgt, mesh)
-        opt.zero_grad()
-        total = torch.zeros(())
-        chunks = list(zip(idx.chunk(micro), tgt.chunk(micro)))
-        for k, (ci, ct) in enumerate(chunks):
-            ctx = no_sync(model) if k < micro - 1 else _null()
-            with ctx:
-                loss = H.gpt_loss(model, ci, ct) / micro
-                loss.backward()
-            total += loss.detach()
-        torch.distributed.all_reduce(total, group=mesh.get_group("dp"))
-        losses.append(total.item() / n)
-        opt.step()
-    return model, ref, losses, ref_losses
-
-
-class _null:
-    def __enter__(self):
-        return self
-
-    def __exit__(self, *a):
-        return False
 
 
 @pytest.mark.parametrize(
@@ -99,26 +68,7 @@ def test_fsdp_dp2_x_replicated_2d_mesh():
 
 @distributed(4)
 def test_fsdp_unused_parameter_some_steps():
-    mesh = H.mesh_for(4)
-    torch.manual_seed(0)
-    ref = H.Sometimes()
-    torch.manual_seed(0)
-    model = fully_shard(H.Sometimes(), mesh, "dp", find_unused_parameters=True)
-    opt_r = torch.optim.AdamW(ref.parameters(), lr=1e-2, weight_decay=0.1)
-    opt = torch.optim.AdamW(model.parameters(), lr=1e-2, weight_decay=0.1)
-    g = torch.Generator().manual_seed(3)
-    for step in range(5):
-        x = torch.randn(8, 8, generator=g)
-        ref.use_extra = model.use_extra = step % 2 == 0
-        opt_r.zero_grad()
-        opt.zero_grad()
-        F.mse_loss(ref(x), torch.zeros(8, 4)).backward()
-        F.mse_loss(model(H.local_slice(x, mesh)), torch.zeros(2, 4)).backward()
-        if step % 2:
-            assert model.extra.weight.grad is None
-        opt_r.step()
-        opt.step()
-    H.assert_params_close(model, ref)
+    H.train_sometimes(lambda m, mesh: fully_shard(m, mesh, "dp", find_unused_parameters=True))
 
 
 @pytest.mark.parametrize("reshard", [True, False])

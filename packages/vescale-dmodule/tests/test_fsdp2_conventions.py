@@ -9,9 +9,7 @@ ranks, seed and data.
 
 from __future__ import annotations
 
-import importlib.util
 import os
-import pathlib
 
 import pytest
 import torch
@@ -28,14 +26,10 @@ from vescale.dmodule import (
     replicate,
 )
 from vescale.dtensor import DTensor
-from vescale.dtensor.testing import distributed
+from vescale.dtensor.testing import distributed, load_helper
 from vescale.ragged import RaggedShard
 
-_spec = importlib.util.spec_from_file_location(
-    "_dp_helpers", pathlib.Path(__file__).with_name("_dp_helpers.py")
-)
-H = importlib.util.module_from_spec(_spec)
-_spec.loader.exec_module(H)
+H = load_helper(__file__, "_dp_helpers")
 
 # bf16 compute: both sides round the same way, but the reductions add in another order
 BF16_TOL = dict(atol=2e-2, rtol=2e-2)
@@ -46,32 +40,6 @@ def _per_layer_then_root(shard, model, mesh, **kw):
         shard(block, mesh=mesh, **kw)
     shard(model, mesh=mesh, **kw)
     return model
-
-
-def _train(model, mesh, data, *, micro=1, accumulate=None):
-    """AdamW steps on this rank's slice; returns the dp-averaged loss of every step.
-
-    ``accumulate(model, last)``: called before each micro-batch's backward (FSDP2's
-    ``set_requires_gradient_sync`` pattern).
-    """
-    opt = torch.optim.AdamW(model.parameters(), lr=1e-2, weight_decay=0.1)
-    n = mesh.size(0)
-    losses = []
-    for idx, tgt in data:
-        idx, tgt = H.local_slice(idx, mesh), H.local_slice(tgt, mesh)
-        opt.zero_grad()
-        total = torch.zeros(())
-        chunks = list(zip(idx.chunk(micro), tgt.chunk(micro)))
-        for k, (ci, ct) in enumerate(chunks):
-            if accumulate is not None:
-                accumulate(model, k == len(chunks) - 1)
-            loss = H.gpt_loss(model, ci, ct) / micro
-            loss.backward()
-            total += loss.detach()
-        torch.distributed.all_reduce(total)
-        losses.append(total.item() / n)
-        opt.step()
-    return losses, opt
 
 
 def _full_params(model) -> dict[str, torch.Tensor]:
@@ -106,7 +74,7 @@ def _record(name, losses, ref):
 def test_per_layer_then_root_matches_torch_fsdp2(reshard):
     mesh, data = _mesh(), H.batches()
     ref = _per_layer_then_root(torch_fully_shard, H.make_gpt(), mesh, reshard_after_forward=reshard)
-    ref_losses, _ = _train(ref, mesh, data)
+    ref_losses, _ = H.train_steps(ref, mesh, data)
 
     model = H.make_gpt()
     for block in model.blocks:
@@ -122,7 +90,7 @@ def test_per_layer_then_root_matches_torch_fsdp2(reshard):
     assert isinstance(model, FullyShardedModule) and isinstance(model, H.GPT)
     assert isinstance(model.blocks[0], FullyShardedModule)
     assert model.lm_head.weight is model.wte.weight
-    losses, _ = _train(model, mesh, data)
+    losses, _ = H.train_steps(model, mesh, data)
     _record(f"per-layer-then-root reshard={reshard}", losses, ref_losses)
     torch.testing.assert_close(losses, ref_losses, **H.TOL)
     _assert_same_params(model, ref)
@@ -142,7 +110,7 @@ def test_nested_calls_and_root_without_parameters():
         return shard(torch.nn.Sequential(model), mesh=mesh)
 
     ref = build(torch_fully_shard)
-    ref_losses, _ = _train(ref, mesh, data)
+    ref_losses, _ = H.train_steps(ref, mesh, data)
     model = build(fully_shard)
     engine = get_dp_engine(model)
     assert [g.name for g in engine.groups] == [
@@ -153,7 +121,7 @@ def test_nested_calls_and_root_without_parameters():
         "0.blocks.1.mlp",
     ]
     assert engine.root is None  # the Sequential has no parameters of its own
-    losses, _ = _train(model, mesh, data)
+    losses, _ = H.train_steps(model, mesh, data)
     _record("nested fully_shard calls", losses, ref_losses)
     torch.testing.assert_close(losses, ref_losses, **H.TOL)
     _assert_same_params(model, ref)
@@ -225,7 +193,7 @@ def test_mp_policy_matches_torch_fsdp2(per_layer):
         return shard(model, mesh=mesh, mp_policy=outer)
 
     ref = build(torch_fully_shard)
-    ref_losses, _ = _train(ref, mesh, data)
+    ref_losses, _ = H.train_steps(ref, mesh, data)
     if per_layer:
         model = build(fully_shard)
     else:  # one call: output_dtype applies where the model returns its output
@@ -236,7 +204,7 @@ def test_mp_policy_matches_torch_fsdp2(per_layer):
     assert all(g.mp == mp_inner for g in engine.groups[1:])
     with torch.no_grad():
         assert model(data[0][0][:2]).dtype == torch.float32  # output_dtype
-    losses, _ = _train(model, mesh, data)
+    losses, _ = H.train_steps(model, mesh, data)
     _record(f"mp_policy bf16/fp32 per_layer={per_layer}", losses, ref_losses)
     torch.testing.assert_close(losses, ref_losses, **BF16_TOL)
     _assert_same_params(model, ref, **BF16_TOL)
@@ -270,7 +238,7 @@ def test_cpu_offload_matches_torch_fsdp2(reshard):
         offload_policy=CPUOffloadPolicy(pin_memory=False),
         reshard_after_forward=reshard,
     )
-    ref_losses, _ = _train(ref, mesh, data)
+    ref_losses, _ = H.train_steps(ref, mesh, data)
     model = _per_layer_then_root(
         fully_shard,
         H.make_gpt(),
@@ -283,7 +251,7 @@ def test_cpu_offload_matches_torch_fsdp2(reshard):
     assert all(b.offloaded and b.dshard is not None for g in engine.groups for b in g.bufs)
     shard_bytes = sum(b.fb.local.numel() * 4 for g in engine.groups for b in g.bufs)
     engine.offload_copy_bytes = 0
-    losses, opt = _train(model, mesh, data)
+    losses, opt = H.train_steps(model, mesh, data)
     # per step: every shard copied to the compute device for each all-gather (forward,
     # and backward again when resharded) and every gradient shard copied back
     gathers = 2 if reshard else 1
@@ -306,7 +274,7 @@ def test_set_requires_gradient_sync_matches_torch_fsdp2():
         model.set_requires_gradient_sync(last)
 
     ref = _per_layer_then_root(torch_fully_shard, H.make_gpt(), mesh)
-    ref_losses, _ = _train(ref, mesh, data, micro=2, accumulate=accumulate)
+    ref_losses, _ = H.train_steps(ref, mesh, data, micro=2, accumulate=accumulate)
     model = _per_layer_then_root(fully_shard, H.make_gpt(), mesh)
     engine = get_dp_engine(model)
     seen = []
@@ -315,7 +283,7 @@ def test_set_requires_gradient_sync_matches_torch_fsdp2():
         accumulate(model, last)
         seen.append(all(g.sync is last for g in engine.groups))
 
-    losses, _ = _train(model, mesh, data, micro=2, accumulate=accumulate_and_check)
+    losses, _ = H.train_steps(model, mesh, data, micro=2, accumulate=accumulate_and_check)
     assert all(seen)
     _record("set_requires_gradient_sync accumulation", losses, ref_losses)
     torch.testing.assert_close(losses, ref_losses, **H.TOL)
@@ -370,10 +338,10 @@ def test_ddp_mp_policy_matches_torch_fsdp2():
     mesh, data = _mesh(), H.batches()
     policy = MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
     ref = torch_fully_shard(H.make_gpt(), mesh=mesh, mp_policy=policy)
-    ref_losses, _ = _train(ref, mesh, data)
+    ref_losses, _ = H.train_steps(ref, mesh, data)
     model = replicate(H.make_gpt(), mesh, "dp", mp_policy=policy)
     assert isinstance(model, ReplicatedModule)
-    losses, _ = _train(model, mesh, data)
+    losses, _ = H.train_steps(model, mesh, data)
     _record("DDP mp_policy bf16/fp32", losses, ref_losses)
     torch.testing.assert_close(losses, ref_losses, **BF16_TOL)
     _assert_same_params(model, ref, **BF16_TOL)
@@ -387,7 +355,7 @@ def test_ddp_set_requires_gradient_sync_and_dmodule_mixins():
     ref_losses = H.train_reference(H.make_gpt(), data, micro=2)
     model = DModule(H.make_gpt(), mesh, data_parallel={"dp": "ddp"})
     assert isinstance(model, DModule) and isinstance(model, ReplicatedModule)
-    losses, _ = _train(
+    losses, _ = H.train_steps(
         model, mesh, data, micro=2, accumulate=lambda m, last: m.set_requires_gradient_sync(last)
     )
     torch.testing.assert_close(losses, ref_losses, **H.TOL)

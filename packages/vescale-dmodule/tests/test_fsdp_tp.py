@@ -8,8 +8,6 @@ shards every parameter's TP-local tensor over dp.
 from __future__ import annotations
 
 import gc
-import importlib.util
-import pathlib
 import sys
 import weakref
 
@@ -23,14 +21,10 @@ from vescale.dmodule import parallelize_module
 from vescale.dmodule._fsdp import fully_shard, get_dp_engine
 from vescale.dtensor import DTensor, Replicate, Shard, init_device_mesh
 from vescale.dtensor.debug import CommDebugMode
-from vescale.dtensor.testing import distributed
+from vescale.dtensor.testing import distributed, load_helper
 from vescale.ragged import RaggedShard
 
-_spec = importlib.util.spec_from_file_location(
-    "_dp_helpers", pathlib.Path(__file__).with_name("_dp_helpers.py")
-)
-H = importlib.util.module_from_spec(_spec)
-_spec.loader.exec_module(H)
+H = load_helper(__file__, "_dp_helpers")
 
 
 def _mesh():

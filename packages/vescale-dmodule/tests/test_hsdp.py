@@ -10,8 +10,6 @@ the errors for bad ``data_parallel`` specs.
 from __future__ import annotations
 
 import contextlib
-import importlib.util
-import pathlib
 
 import pytest
 import torch
@@ -24,14 +22,10 @@ from vescale.dmodule._fsdp import fully_shard
 from vescale.dmodule.testing import MLP
 from vescale.dtensor import DeviceMesh, DTensor, Replicate, Shard, init_device_mesh
 from vescale.dtensor.debug import CommDebugMode
-from vescale.dtensor.testing import distributed
+from vescale.dtensor.testing import distributed, load_helper
 from vescale.ragged import RaggedShard
 
-_spec = importlib.util.spec_from_file_location(
-    "_dp_helpers", pathlib.Path(__file__).with_name("_dp_helpers.py")
-)
-H = importlib.util.module_from_spec(_spec)
-_spec.loader.exec_module(H)
+H = load_helper(__file__, "_dp_helpers")
 
 
 def hsdp_mesh(tp: bool = False) -> DeviceMesh:

@@ -265,3 +265,15 @@ def test_groups_of_finished_tasks_do_not_stay_alive():
     counts = [run_on_ranks(_gloo_loop_threads_after_2d_gather, 4) for _ in range(4)]
     for before, after in zip(counts[1:], counts[2:]):
         assert all(a <= b for a, b in zip(after, before)), counts
+
+
+def test_load_helper_loads_a_sibling_once(tmp_path):
+    from vescale.dtensor.testing import load_helper
+
+    (tmp_path / "_sibling.py").write_text("import itertools\nCOUNT = itertools.count()\n")
+    test_file = str(tmp_path / "test_x.py")
+    first = load_helper(test_file, "_sibling")
+    assert load_helper(test_file, "_sibling") is first  # one module per process
+    assert next(first.COUNT) == 0 and next(load_helper(test_file, "_sibling").COUNT) == 1
+    with pytest.raises(FileNotFoundError, match="_missing.py"):
+        load_helper(test_file, "_missing")

@@ -44,13 +44,16 @@ from ._funcref import ORIGINAL_ATTR, make_ref, unwrap
 from ._internals import expected_torch_internals
 from ._pool import get_pool, shutdown_pools
 from ._report import RankOutcome, failure_message
+from ._support import check_package, load_helper
 from ._torchrun import TorchrunError, run_torchrun
 
 __all__ = [
     "RankFailure",
     "TorchrunError",
+    "check_package",
     "distributed",
     "expected_torch_internals",
+    "load_helper",
     "run_on_ranks",
     "run_torchrun",
     "shutdown_pools",
