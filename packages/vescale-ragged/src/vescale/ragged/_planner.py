@@ -457,9 +457,8 @@ def _make_slot(
         r = _rank_of(off, starts, ranges)
         units = [0] * n
         units[r] = 1
-        return ParamSlot(
-            spec.name, spec.shape, off, 0, RaggedShard(tuple(range(k)), tuple(units)), r, r
-        )
+        placement = RaggedShard._checked_by_caller(tuple(range(k)), tuple(units))
+        return ParamSlot(spec.name, spec.shape, off, 0, placement, r, r)
     r0 = _rank_of(off, starts, ranges)
     r1 = _rank_of(stop - 1, starts, ranges)
     slice_numel = math.prod(spec.shape[k:])
@@ -471,7 +470,8 @@ def _make_slot(
     for c in counts:
         g = math.gcd(g, c)
     units = (0,) * r0 + tuple(c // g for c in counts) + (0,) * (n - r1 - 1)
-    placement = RaggedShard(tuple(range(k)), units)
+    # the units are ints >= 0 with a positive gcd: valid by construction
+    placement = RaggedShard._checked_by_caller(tuple(range(k)), units)
     return ParamSlot(spec.name, spec.shape, off, size, placement, r0, r1)
 
 
