@@ -9,6 +9,7 @@ from __future__ import annotations
 import bisect
 import itertools
 import math
+from bisect import bisect_right
 
 
 class _Grid:
@@ -73,30 +74,65 @@ class _Grid:
     # ``b`` are boundaries, ``b - a <= S`` and, when ``b - a < S``, a parameter boundary
     # lies in ``[a, b]`` (the slice's padding goes there; never inside a parameter).
     # So a slice that starts and ends strictly inside one parameter holds exactly ``S``.
+    # The methods below inline `inside`, `floor` and `ceil` (one bisection each): the
+    # planner calls them about ten times per rank per candidate order.
     def forward(self, a: int, s: int) -> tuple[int, int] | None:
         """Boundaries ``b`` that may end a slice starting at ``a``: ``[lo, hi]``; ``None``: none."""
         reach = a + s
-        i = self.inside(a)
-        if i >= 0 and reach < self.ends[i]:
-            if (reach - self.starts[i]) % self.steps[i]:
-                return None
-            return reach, reach
-        return (self.ends[i] if i >= 0 else a), self.floor(reach)
+        starts, total = self.starts, self.total
+        lo = a
+        if 0 < a < total:
+            i = bisect_right(starts, a) - 1
+            st = starts[i]
+            if st < a:  # inside parameter i: the slice leaves it, or holds exactly s
+                e = self.ends[i]
+                if reach < e:
+                    return None if (reach - st) % self.steps[i] else (reach, reach)
+                lo = e
+        if reach >= total:
+            return lo, total
+        if reach <= 0:
+            return lo, 0
+        j = bisect_right(starts, reach) - 1
+        st = starts[j]
+        g = self.steps[j]
+        return lo, st + (reach - st) // g * g
 
     def backward(self, b: int, s: int) -> tuple[int, int] | None:
         """Boundaries ``a`` that may start a slice ending at ``b``: ``[lo, hi]``; ``None``: none."""
         reach = b - s
-        i = self.inside(b)
-        if i >= 0 and reach > self.starts[i]:
-            if (reach - self.starts[i]) % self.steps[i]:
-                return None
-            return reach, reach
-        return self.ceil(reach), (self.starts[i] if i >= 0 else b)
+        starts, total = self.starts, self.total
+        hi = b
+        if 0 < b < total:
+            i = bisect_right(starts, b) - 1
+            st = starts[i]
+            if st < b:  # inside parameter i
+                if reach > st:
+                    return None if (reach - st) % self.steps[i] else (reach, reach)
+                hi = st
+        if reach <= 0:
+            return 0, hi
+        if reach >= total:
+            return total, hi
+        j = bisect_right(starts, reach) - 1
+        st = starts[j]
+        g = self.steps[j]
+        return min(st - (st - reach) // g * g, self.ends[j]), hi
 
     def nearest(self, t: int, lo: int, hi: int) -> int:
         """The boundary in ``[lo, hi]`` (both boundaries) nearest ``t``."""
-        x = min(max(t, lo), hi)
-        f, c = self.floor(x), self.ceil(x)
+        x = lo if t < lo else (hi if t > hi else t)
+        total = self.total
+        if x >= total:
+            f = c = total
+        elif x <= 0:
+            f = c = 0
+        else:
+            i = bisect_right(self.starts, x) - 1
+            st = self.starts[i]
+            g = self.steps[i]
+            f = st + (x - st) // g * g
+            c = min(st - (st - x) // g * g, self.ends[i])
         if f < lo:
             return c
         if c > hi:
@@ -327,10 +363,23 @@ def _layout_even_cuts(
     (`_balanced`), the one with the better ``max / min`` load, else the
     furthest-right cuts.
     """
+    grid, s, cuts = _even_cuts(sizes, steps, n)
+    if grid.total == 0:
+        return [0] * len(sizes), [(0, 0)] * n
+    return _place(grid, cuts, s), [(r * s, (r + 1) * s) for r in range(n)]
+
+
+def _even_cuts(sizes: list[int], steps: list[int], n: int) -> tuple[_Grid, int, list[int]]:
+    """``(grid, S, cuts)`` of `_layout_even_cuts` before the padding is placed.
+
+    Every cut comes from the allowed range of the slice before it (`_Grid.forward`,
+    mirrored by `_Grid.backward`), so the three placements give usable slices by
+    construction (the tests check them with `_usable`).
+    """
     grid = _Grid(sizes, steps)
     d = grid.total
     if d == 0:
-        return [0] * len(sizes), [(0, 0)] * n
+        return grid, 0, [0] * (n + 1)
     s, furthest = _slice_length(grid, n)
     backward = [0] * (n + 1)
     backward[n] = d
@@ -339,18 +388,30 @@ def _layout_even_cuts(
         if allowed is None:
             break
         backward[r] = allowed[0]
-    best = furthest
+    best, best_spread = furthest, _spread(furthest)
     for cand in (
         _balanced(grid, s, n, backward, reverse=False),
         _balanced(grid, s, n, furthest, reverse=True),
     ):
-        if cand is not None and _usable(grid, cand, s) and _spread(cand) < _spread(best):
-            best = cand
+        if cand is not None:
+            spread = _spread(cand)
+            if spread < best_spread:
+                best, best_spread = cand, spread
     if best is furthest:
         cand = _verified(grid, s, n, furthest)
-        if cand is not None and _usable(grid, cand, s) and _spread(cand) < _spread(best):
+        if cand is not None and _spread(cand) < best_spread:
             best = cand
-    return _place(grid, best, s), [(r * s, (r + 1) * s) for r in range(n)]
+    return grid, s, best
+
+
+def _cuts_key(grid: _Grid, s: int, cuts: list[int], n: int) -> tuple[bool, float, int]:
+    """`vescale.ragged._planner._even_key` of the layout the cuts give, without placing it:
+    rank ``r`` holds ``cuts[r + 1] - cuts[r]`` elements."""
+    if s == 0:
+        return (False, 1.0, 0)
+    g = max((st for st, a, b in zip(grid.steps, grid.starts, grid.ends) if b - a > 1), default=1)
+    over = n * s - grid.total > (n - 1) * g
+    return (over, _spread(cuts)[0], s)
 
 
 def _place(grid: _Grid, cuts: list[int], s: int) -> list[int]:

@@ -62,7 +62,13 @@ from dataclasses import dataclass, field
 import torch
 
 from vescale.ragged._placement import RaggedShard
-from vescale.ragged._plan_cuts import _layout_even_cuts
+from vescale.ragged._plan_cuts import (  # noqa: F401
+    _cuts_key,
+    _even_cuts,
+    _Grid,
+    _layout_even_cuts,
+    _place,
+)
 from vescale.ragged._plan_order import _bridged_order, _candidate_orders  # noqa: F401
 from vescale.ragged._plan_pads import _Even, _layout_even_pads, _slice_spread  # noqa: F401
 from vescale.ragged._plan_weighted import _layout_weighted
@@ -400,12 +406,14 @@ def _plan_one(
         for k, perm in enumerate(_candidate_orders(sizes, steps, n)):
             p_sizes = [sizes[i] for i in perm]
             p_steps = [steps[i] for i in perm]
-            layout = _layout_even(p_sizes, p_steps, n) if k == 0 else None
-            if layout is None:
-                layout = _layout_even_cuts(p_sizes, p_steps, n)
-            key = _even_key(*layout, p_sizes, p_steps, n)
+            if k == 0:
+                layout = _layout_even(p_sizes, p_steps, n)
+                key = _even_key(*layout, p_sizes, p_steps, n)
+            else:  # the padding is placed only for the layout that wins
+                layout = _even_cuts(p_sizes, p_steps, n)
+                key = _cuts_key(*layout, n)
             if best is None or key < best[0]:
-                best = (key, perm, *layout)
+                best = (key, perm, layout)
             if k and (cuts_best is None or key < cuts_best[0]):
                 cuts_best = (key, perm)
             if key[1] <= 1.0001 and n * key[2] - sum(sizes) < n:
@@ -418,8 +426,11 @@ def _plan_one(
             layout = _layout_even(p_sizes, p_steps, n)
             key = _even_key(*layout, p_sizes, p_steps, n)
             if key < best[0]:
-                best = (key, perm, *layout)
-        _, perm, p_offsets, ranges = best
+                best = (key, perm, layout)
+        _, perm, layout = best
+        if isinstance(layout[0], _Grid):
+            layout = _placed(*layout, len(perm), n)
+        p_offsets, ranges = layout
         # slots in buffer order: the chosen order (empty parameters keep their place)
         specs = [specs[i] for i in perm]
         sizes = [sizes[i] for i in perm]
@@ -533,12 +544,21 @@ def _layout_even(
     ``1 + 1/1000`` ``max / min`` or above ``(N - 1) * G`` padding; then the layout
     within that padding wins, then the better ``max / min``, then the shorter slices.
     """
-    cuts = _layout_even_cuts(sizes, steps, n)
-    key = _even_key(*cuts, sizes, steps, n)
+    plan = _even_cuts(sizes, steps, n)
+    key = _cuts_key(*plan, n)
     if not key[0] and key[1] <= 1.001:
-        return cuts
+        return _placed(*plan, len(sizes), n)
     pads = _layout_even_pads(sizes, steps, n)
-    return pads if _even_key(*pads, sizes, steps, n) < key else cuts
+    return pads if _even_key(*pads, sizes, steps, n) < key else _placed(*plan, len(sizes), n)
+
+
+def _placed(
+    grid: _Grid, s: int, cuts: list[int], count: int, n: int
+) -> tuple[list[int], list[tuple[int, int]]]:
+    """Offsets and rank ranges of the cut placement ``(grid, s, cuts)`` (`_even_cuts`)."""
+    if grid.total == 0:
+        return [0] * count, [(0, 0)] * n
+    return _place(grid, cuts, s), [(r * s, (r + 1) * s) for r in range(n)]
 
 
 def layouts_from_tensors(
