@@ -117,22 +117,42 @@ def fresh_caches() -> None:
     _compat.clear_dtensor_caches()
 
 
-def train_steps(model: nn.Module, mesh: DeviceMesh, data, *, micro: int = 1, accumulate=None):
-    """AdamW steps of ``model`` on this rank's slice (over ``mesh``'s "dp" dim) of ``data``.
+def train_steps(
+    model: nn.Module,
+    mesh: DeviceMesh,
+    data,
+    *,
+    micro: int = 1,
+    accumulate=None,
+    batch_slice=None,
+    loss=None,
+    group: str | None = "dp",
+):
+    """AdamW steps of ``model`` on this rank's slice of ``data``.
 
     Each step runs ``micro`` micro-batches. ``accumulate(model, last)`` is called before
     each one (FSDP2's ``set_requires_gradient_sync`` pattern); without it, all but the
-    last run under ``no_sync``. Returns the dp-averaged loss of every step and the
-    optimizer.
+    last run under ``no_sync``.
+
+    Args:
+        batch_slice: ``(t, mesh) -> this rank's part of the global batch t`` (default:
+            `local_slice` over "dp").
+        loss: ``(model, idx, tgt) -> loss`` (default: `gpt_loss`).
+        group: Mesh dim whose ranks' losses are averaged (``None``: all ranks).
+
+    Returns:
+        The averaged loss of every step, and the optimizer.
     """
     from vescale.dmodule import no_sync
 
-    group = mesh.get_group("dp")
-    n = group.size()
+    batch_slice = batch_slice or local_slice
+    loss = loss or gpt_loss
+    pg = None if group is None else mesh.get_group(group)
+    n = torch.distributed.get_world_size(pg)
     opt = torch.optim.AdamW(model.parameters(), lr=1e-2, weight_decay=0.1)
     losses = []
     for idx, tgt in data:
-        idx, tgt = local_slice(idx, mesh), local_slice(tgt, mesh)
+        idx, tgt = batch_slice(idx, mesh), batch_slice(tgt, mesh)
         opt.zero_grad()
         total = torch.zeros(())
         for k, (ci, ct) in enumerate(zip(idx.chunk(micro), tgt.chunk(micro))):
@@ -140,10 +160,10 @@ def train_steps(model: nn.Module, mesh: DeviceMesh, data, *, micro: int = 1, acc
             if accumulate is not None:
                 accumulate(model, last)
             with contextlib.nullcontext() if accumulate is not None or last else no_sync(model):
-                loss = gpt_loss(model, ci, ct) / micro
-                loss.backward()
-            total += loss.detach()
-        torch.distributed.all_reduce(total, group=group)
+                value = loss(model, ci, ct) / micro
+                value.backward()
+            total += value.detach()
+        torch.distributed.all_reduce(total, group=pg)
         losses.append(total.item() / n)
         opt.step()
     return losses, opt
@@ -194,3 +214,34 @@ def train_sometimes(wrap: Callable[[nn.Module, DeviceMesh], nn.Module]) -> nn.Mo
         opt.step()
     assert_params_close(model, ref)
     return model
+
+
+def check_bad_input(wrap, other) -> DeviceMesh:
+    """The input errors ``wrap(module, mesh, dim)`` (``replicate`` or ``fully_shard``)
+    raises before any collective: an unknown mesh dim, a module already wrapped (again
+    by ``wrap`` or by the ``other`` engine), parameters on two devices. Returns the mesh.
+    """
+    import pytest
+
+    mesh = mesh_for(4)
+    with pytest.raises(ValueError, match="'tp' is not in the mesh"):
+        wrap(make_gpt(), mesh, "tp")
+    model = wrap(make_gpt(), mesh, "dp")
+    for again in (wrap, other):
+        with pytest.raises(ValueError, match="already data-parallel"):
+            again(model, mesh, "dp")
+    m = nn.Sequential(nn.Linear(2, 2), nn.Linear(2, 2).to("meta"))
+    with pytest.raises(ValueError, match="different devices"):
+        wrap(m, mesh, "dp")
+    return mesh
+
+
+def one_batch(model: nn.Module, mesh: DeviceMesh):
+    """What the bytes/memory tests of a wrapped ``model`` start from: its engine, an
+    AdamW (lr 1e-2), its parameter count and this rank's ``(idx, tgt)`` of one batch."""
+    from vescale.dmodule import get_dp_engine
+
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
+    nparams = sum(p.numel() for p in model.parameters())
+    idx, tgt = batches(1)[0]
+    return get_dp_engine(model), opt, nparams, local_slice(idx, mesh), local_slice(tgt, mesh)

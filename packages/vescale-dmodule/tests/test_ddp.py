@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import pytest
 import torch
-from torch import nn
 
 from vescale.debug import enable_gradient_sync_debug
 from vescale.dmodule._ddp import replicate
@@ -58,11 +57,7 @@ def test_ddp_bytes_views_and_overlap():
     n = 4
     mesh = H.mesh_for(n)
     model = replicate(H.make_gpt(), mesh, "dp", bucket_cap_mb=SMALL_BUCKETS)
-    engine = get_dp_engine(model)
-    opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
-    nparams = sum(p.numel() for p in model.parameters())
-    idx, tgt = H.batches(1)[0]
-    idx, tgt = H.local_slice(idx, mesh), H.local_slice(tgt, mesh)
+    engine, opt, nparams, idx, tgt = H.one_batch(model, mesh)
     for _ in range(2):
         opt.zero_grad()
         with CommDebugMode() as comm:
@@ -107,14 +102,4 @@ def test_ddp_gradient_sync_debug_catches_desync():
 
 @distributed(4)
 def test_ddp_bad_input():
-    mesh = H.mesh_for(4)
-    with pytest.raises(ValueError, match="'tp' is not in the mesh"):
-        replicate(H.make_gpt(), mesh, "tp")
-    model = replicate(H.make_gpt(), mesh, "dp")
-    with pytest.raises(ValueError, match="already data-parallel"):
-        replicate(model, mesh, "dp")
-    with pytest.raises(ValueError, match="already data-parallel"):
-        fully_shard(model, mesh, "dp")
-    m = nn.Sequential(nn.Linear(2, 2), nn.Linear(2, 2).to("meta"))
-    with pytest.raises(ValueError, match="different devices"):
-        replicate(m, mesh, "dp")
+    H.check_bad_input(replicate, fully_shard)

@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import pytest
 import torch
-from torch import nn
 
 from vescale.dmodule._dp_common import MixedPrecision, dp_memory_bytes
 from vescale.dmodule._fsdp import fully_shard, get_dp_engine
@@ -77,17 +76,13 @@ def test_fsdp_bytes_copies_and_views(reshard):
     n = 4
     mesh = H.mesh_for(n)
     model = fully_shard(H.make_gpt(), mesh, "dp", reshard_after_forward=reshard)
-    engine = get_dp_engine(model)
-    opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
-    nparams = sum(p.numel() for p in model.parameters())
+    engine, opt, nparams, idx, tgt = H.one_batch(model, mesh)
     # zero padding: local elements over ranks == parameter count (+ planner padding)
     local = torch.tensor(sum(p.to_local().numel() for p in model.parameters()))
     torch.distributed.all_reduce(local)
     assert local.item() == nparams
     assert engine.padding_numel() <= len(engine.groups) * (n - 1)
     ptrs = {name: p.to_local().data_ptr() for name, p in model.named_parameters()}
-    idx, tgt = H.batches(1)[0]
-    idx, tgt = H.local_slice(idx, mesh), H.local_slice(tgt, mesh)
     for _step in range(3):
         opt.zero_grad()
         engine.reset_counters()
@@ -126,11 +121,7 @@ def test_fsdp_memory_accounting():
     n = 4
     mesh = H.mesh_for(n)
     model = fully_shard(H.make_gpt(), mesh, "dp")
-    engine = get_dp_engine(model)
-    opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
-    nparams = sum(p.numel() for p in model.parameters())
-    idx, tgt = H.batches(1)[0]
-    idx, tgt = H.local_slice(idx, mesh), H.local_slice(tgt, mesh)
+    engine, opt, nparams, idx, tgt = H.one_batch(model, mesh)
     for _ in range(2):
         opt.zero_grad()
         H.gpt_loss(model, idx, tgt).backward()
@@ -158,14 +149,8 @@ def test_fsdp_bf16_mixed_precision():
 
 @distributed(4)
 def test_fsdp_bad_input():
-    mesh = H.mesh_for(4)
-    with pytest.raises(ValueError, match="'tp' is not in the mesh"):
-        fully_shard(H.make_gpt(), mesh, "tp")
-    model = fully_shard(H.make_gpt(), mesh, "dp")
-    with pytest.raises(ValueError, match="already data-parallel"):
-        fully_shard(model, mesh, "dp")
-    m = nn.Sequential(nn.Linear(2, 2), nn.Linear(2, 2).to("meta"))
-    with pytest.raises(ValueError, match="different devices"):
-        fully_shard(m, mesh, "dp")
+    from vescale.dmodule import replicate
+
+    mesh = H.check_bad_input(fully_shard, replicate)
     with pytest.raises(ValueError, match="matches no submodule"):
         fully_shard(H.make_gpt(), mesh, "dp", groups=["nope"])

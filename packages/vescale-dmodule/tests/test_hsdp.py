@@ -9,8 +9,6 @@ the errors for bad ``data_parallel`` specs.
 
 from __future__ import annotations
 
-import contextlib
-
 import pytest
 import torch
 import torch.distributed as dist
@@ -72,20 +70,10 @@ def train_hsdp(
         model = DModule(H.make_gpt(), mesh, None, tp_dim="tp", sequence_parallel=sp, **opts)
     else:
         model = DModule(H.make_gpt(), mesh, **opts)
-    opt = torch.optim.AdamW(model.parameters(), lr=1e-2, weight_decay=0.1)
-    losses = []
-    for idx, tgt in data:
-        idx, tgt = dp_slice(idx, mesh), dp_slice(tgt, mesh)
-        opt.zero_grad()
-        total = torch.zeros(())
-        for k, (ci, ct) in enumerate(zip(idx.chunk(micro), tgt.chunk(micro))):
-            with no_sync(model) if k < micro - 1 else contextlib.nullcontext():
-                loss = loss_fn(model, ci, ct) / micro
-                loss.backward()
-            total += loss.detach()
-        dist.all_reduce(total)  # tp ranks hold equal losses: the mean over all ranks
-        losses.append(total.item() / dist.get_world_size())
-        opt.step()
+    # tp ranks hold equal losses: the mean over all ranks
+    losses, _ = H.train_steps(
+        model, mesh, data, micro=micro, batch_slice=dp_slice, loss=loss_fn, group=None
+    )
     return model, ref, losses, ref_losses
 
 
