@@ -170,18 +170,39 @@ def _balanced(grid: _Grid, s: int, n: int, bound: list[int], reverse: bool) -> l
     cut, from which the rest still fits). ``reverse=True`` mirrors it from the end (then
     ``bound`` holds the forward-furthest cuts, an upper bound).
     """
+    # `_Grid.forward` / `backward` and `_Grid.nearest` inlined (the loop runs once per
+    # rank per candidate order)
     d = grid.total
+    starts, ends, steps = grid.starts, grid.ends, grid.steps
     if not reverse:
         cuts = [0]
         prev = 0
         for r in range(1, n):
-            allowed = grid.forward(prev, s)
-            if allowed is None:
-                return None
-            lo, hi = max(allowed[0], bound[r]), allowed[1]
+            reach = prev + s
+            lo = prev
+            if 0 < prev < d:
+                i = bisect_right(starts, prev) - 1
+                st = starts[i]
+                if st < prev:  # inside parameter i
+                    e = ends[i]
+                    if reach < e:  # the slice holds exactly s: one allowed end
+                        if (reach - st) % steps[i] or bound[r] > reach:
+                            return None
+                        prev = reach
+                        cuts.append(prev)
+                        continue
+                    lo = e
+            if reach >= d:
+                hi = d
+            else:
+                j = bisect_right(starts, reach) - 1
+                st = starts[j]
+                hi = st + (reach - st) // steps[j] * steps[j]
+            if bound[r] > lo:
+                lo = bound[r]
             if lo > hi:
                 return None
-            prev = grid.nearest(prev + (d - prev) // (n - r + 1), lo, hi)
+            prev = _nearest(starts, ends, steps, d, prev + (d - prev) // (n - r + 1), lo, hi)
             cuts.append(prev)
         if d - prev > s:
             return None
@@ -190,19 +211,58 @@ def _balanced(grid: _Grid, s: int, n: int, bound: list[int], reverse: bool) -> l
     cuts = [d]
     nxt = d
     for r in range(n - 1, 0, -1):
-        allowed = grid.backward(nxt, s)
-        if allowed is None:
-            return None
-        lo, hi = allowed[0], min(allowed[1], bound[r])
+        reach = nxt - s
+        hi = nxt
+        if 0 < nxt < d:
+            i = bisect_right(starts, nxt) - 1
+            st = starts[i]
+            if st < nxt:  # inside parameter i
+                if reach > st:  # the slice holds exactly s: one allowed start
+                    if (reach - st) % steps[i] or reach > bound[r]:
+                        return None
+                    nxt = reach
+                    cuts.append(nxt)
+                    continue
+                hi = st
+        if reach <= 0:
+            lo = 0
+        else:
+            j = bisect_right(starts, reach) - 1
+            st = starts[j]
+            lo = min(st - (st - reach) // steps[j] * steps[j], ends[j])
+        if bound[r] < hi:
+            hi = bound[r]
         if lo > hi:
             return None
-        nxt = grid.nearest(nxt - nxt // (r + 1), lo, hi)
+        nxt = _nearest(starts, ends, steps, d, nxt - nxt // (r + 1), lo, hi)
         cuts.append(nxt)
     if nxt > s:
         return None
     cuts.append(0)
     cuts.reverse()
     return cuts
+
+
+def _nearest(
+    starts: list[int], ends: list[int], steps: list[int], d: int, t: int, lo: int, hi: int
+) -> int:
+    """`_Grid.nearest` on the grid's lists (``lo``, ``hi``: boundaries, ``lo <= hi``)."""
+    if t <= lo:
+        return lo
+    if t >= hi:
+        return hi
+    i = bisect_right(starts, t) - 1
+    st = starts[i]
+    g = steps[i]
+    f = st + (t - st) // g * g
+    c = st - (st - t) // g * g
+    if c > ends[i]:
+        c = ends[i]
+    if f < lo:
+        return c
+    if c > hi:
+        return f
+    return f if t - f <= c - t else c
 
 
 def _verified(grid: _Grid, s: int, n: int, furthest: list[int]) -> list[int] | None:

@@ -437,9 +437,11 @@ def _plan_one(
         rules = [rules[i] for i in perm]
         offsets = p_offsets
     starts = [a for a, _ in ranges]
-    slots = []
-    for spec, size, off, (k, _) in zip(specs, sizes, offsets, rules):
-        slots.append(_make_slot(spec, size, off, k, ranges, starts, n))
+    cache: dict = {}
+    slots = [
+        _make_slot(spec, size, off, k, ranges, starts, n, cache)
+        for spec, size, off, (k, _) in zip(specs, sizes, offsets, rules)
+    ]
     numel = ranges[-1][1]
     even = all(b - a == ranges[0][1] - ranges[0][0] for a, b in ranges)
     return FlatLayout(dtype, n, numel, tuple(ranges), tuple(slots), even)
@@ -462,27 +464,36 @@ def _make_slot(
     ranges: list[tuple[int, int]],
     starts: list[int],
     n: int,
+    cache: dict | None = None,
 ) -> ParamSlot:
+    """The slot of one parameter; ``cache`` shares equal placements between parameters
+    (placements are immutable values; at 1,024 ranks building each one's units is most
+    of the cost)."""
     stop = off + size
     if size == 0:
-        r = _rank_of(off, starts, ranges)
-        units = [0] * n
-        units[r] = 1
-        placement = RaggedShard._checked_by_caller(tuple(range(k)), tuple(units))
-        return ParamSlot(spec.name, spec.shape, off, 0, placement, r, r)
-    r0 = _rank_of(off, starts, ranges)
-    r1 = _rank_of(stop - 1, starts, ranges)
-    slice_numel = math.prod(spec.shape[k:])
-    counts = []
-    for r in range(r0, r1 + 1):
-        a, b = ranges[r]
-        counts.append((min(stop, b) - max(off, a)) // slice_numel)
-    g = 0
-    for c in counts:
-        g = math.gcd(g, c)
-    units = (0,) * r0 + tuple(c // g for c in counts) + (0,) * (n - r1 - 1)
-    # the units are ints >= 0 with a positive gcd: valid by construction
-    placement = RaggedShard._checked_by_caller(tuple(range(k)), units)
+        r0 = r1 = _rank_of(off, starts, ranges)
+        counts: tuple[int, ...] = (1,)
+    else:
+        r0 = _rank_of(off, starts, ranges)
+        r1 = _rank_of(stop - 1, starts, ranges)
+        if r0 == r1:
+            counts = (1,)
+        else:
+            slice_numel = math.prod(spec.shape[k:])
+            raw = [
+                (min(stop, ranges[r][1]) - max(off, ranges[r][0])) // slice_numel
+                for r in range(r0, r1 + 1)
+            ]
+            g = math.gcd(*raw)
+            counts = tuple(c // g for c in raw)
+    key = (k, r0, counts)
+    placement = None if cache is None else cache.get(key)
+    if placement is None:
+        units = (0,) * r0 + counts + (0,) * (n - r0 - len(counts))
+        # the units are ints >= 0 with a positive gcd: valid by construction
+        placement = RaggedShard._checked_by_caller(tuple(range(k)), units)
+        if cache is not None:
+            cache[key] = placement
     return ParamSlot(spec.name, spec.shape, off, size, placement, r0, r1)
 
 
