@@ -141,6 +141,10 @@ def _own_meta(module: nn.Module) -> list[str]:
     return names
 
 
+def _has_meta(model: nn.Module) -> bool:
+    return any(_own_meta(m) for m in model.modules())
+
+
 def _check_meta_init(model: nn.Module, init_fn: Any) -> None:
     """Before any communication: every meta tensor must have a way to be initialised."""
     if init_fn is not None:
@@ -316,7 +320,12 @@ def parallelize_module(
     module order, so a model whose initialisation lives in ``reset_parameters``
     gets the same values as eager construction with the same seed), and
     immediately cut to this rank's local shards. Peak memory is one module's
-    full tensors, not the model's.
+    full tensors, not the model's. Before that, every rank's default generators
+    (CPU; CUDA's current device on a CUDA mesh) take the states of the
+    ``src_data_rank`` rank (one small broadcast per mesh dim), so every rank
+    initialises the same values however the ranks were seeded, and they equal
+    that rank's eager construction, as without ``meta``; with ``src_data_rank=None``
+    each rank initialises from its own generators.
 
     Returns:
         ``model`` itself, now also an instance of `DModule`.
@@ -407,6 +416,13 @@ def parallelize_module(
         from vescale.dmodule._activation_checkpoint import resolve_checkpoint_modules
 
         resolve_checkpoint_modules(model, ac)  # bad selections fail before any communication
+    if opts["src_data_rank"] is not None and _has_meta(model):
+        # Meta tensors are initialised in full on every rank, which keeps its own shards:
+        # every rank draws from the src rank's generators, so replicas agree (and equal
+        # that rank's eager construction) however the ranks were seeded.
+        from vescale.dmodule._rng_sync import sync_default_rng
+
+        sync_default_rng(device_mesh, opts["src_data_rank"])
     if dp_specs and not _has_tensor_parallelism(resolved):
         # Pure data parallelism: the DP engine owns the parameters (no TP wrapping).
         _materialize_meta(model, resolved, device_mesh, opts["param_init_fn"], local=False)

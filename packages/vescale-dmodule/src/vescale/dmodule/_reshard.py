@@ -27,7 +27,6 @@ from collections.abc import Callable
 from typing import Any
 
 import torch
-import torch.distributed as dist
 from torch import nn
 from torch.distributed.checkpoint.state_dict import (
     get_model_state_dict,
@@ -38,6 +37,7 @@ from torch.distributed.checkpoint.state_dict import (
 from torch.distributed.tensor import DTensor
 
 from vescale.dmodule._cost_model import Layout
+from vescale.dmodule._rng_sync import sync_default_rng
 from vescale.dmodule._strategy import _skeleton, apply_layout, choose
 from vescale.dtensor import distribute_tensor  # plugin placements (RaggedShard) too
 
@@ -99,15 +99,7 @@ def _zero_dp_dim(optimizer: Any, target: Layout, optimizer_fn: Any) -> str | Non
 
 def _sync_rng() -> None:
     """Every rank's default generators take rank 0's state (as a checkpoint resume does)."""
-    if not (dist.is_initialized() and dist.get_world_size() > 1):
-        return
-    states: list[Any] = [torch.get_rng_state()]
-    if torch.cuda.is_available() and torch.cuda.is_initialized():
-        states.append(torch.cuda.get_rng_state())
-    dist.broadcast_object_list(states, src=0)
-    torch.set_rng_state(states[0])
-    if len(states) > 1:
-        torch.cuda.set_rng_state(states[1])
+    sync_default_rng(None, 0)
 
 
 def reshard(
@@ -195,6 +187,8 @@ def reshard(
     else:
         skeleton, options = model_fn(), {}  # type: ignore[misc]
     options["param_init_fn"] = _no_init
+    # every value is overwritten: no rank's values (or generators) need distributing
+    options["src_data_rank"] = None
     if dp_name is not None:
         options["data_parallel"] = None  # ZeRO reduces the gradients itself
         optimizer.wait_param_gather()
