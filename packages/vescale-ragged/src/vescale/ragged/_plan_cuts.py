@@ -283,23 +283,28 @@ def _verified(grid: _Grid, s: int, n: int, furthest: list[int]) -> list[int] | N
     not ranks x candidates x ranks.
     """
     d = grid.total
+    starts, ends, steps = grid.starts, grid.ends, grid.steps
     hops = _Hops(grid, s)
+    known = hops.hops
     cuts = [0]
-    cur = furthest[1] if n > 1 else d  # chain[r]
+    cur = furthest[1] if n > 1 else d  # chain[r], the furthest-right step from prev
     prev = 0
     for r in range(1, n):
-        allowed = grid.forward(prev, s)
-        if allowed is None:  # pragma: no cover - the chain's cut is always allowed
-            return None
-        lo, hi = allowed[0], min(allowed[1], cur) if cur >= allowed[0] else allowed[1]
-        target = prev + (d - prev) // (n - r + 1)
-        c = grid.nearest(target, lo, hi)
+        # the allowed ends of the slice from prev are [lo, cur] (`_Grid.forward`)
+        lo = prev
+        if 0 < prev < d:
+            i = bisect_right(starts, prev) - 1
+            if starts[i] < prev:  # inside parameter i: the slice leaves it or ends at cur
+                lo = min(ends[i], cur)
+        left = n - 1 - r
+        c = _nearest(starts, ends, steps, d, prev + (d - prev) // (n - r + 1), lo, cur)
         for _ in range(24):
             if c == cur:
                 break
-            if hops.count(c) <= n - 1 - r:
+            h = known.get(c)
+            if (hops.count(c) if h is None else h) <= left:
                 break
-            c = grid.nearest((c + cur + 1) // 2, min(c, cur), max(c, cur))
+            c = _nearest(starts, ends, steps, d, (c + cur + 1) // 2, min(c, cur), max(c, cur))
         else:
             c = cur
         cuts.append(c)
