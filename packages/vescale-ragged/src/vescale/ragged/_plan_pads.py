@@ -226,44 +226,46 @@ class _Even:
         ``latest``, so the rest still fits) allows, so the slices fill in order.
         """
         p = self.n * s - self.d
-        cur = [0, 0]  # [slice, padding in it]
-
-        def room(y: int) -> int:
-            r = y // s
-            rem = q - (cur[1] if r == cur[0] else 0)
-            to_end = (r + 1) * s - y
-            if to_end > rem:
-                return rem
-            return p if q >= s else to_end + q
-
-        def add(y: int, k: int) -> None:
-            while k > 0:
-                r = y // s
-                take = min(k, (r + 1) * s - y)
-                cur[1] = (cur[1] if r == cur[0] else 0) + take
-                cur[0] = r
-                y += take
-                k -= take
-
-        out = [0] * len(self.sizes)
-        tight = self.tight
+        steps, sizes, tight = self.steps, self.sizes, self.tight
+        n_tight = len(tight)
+        cr = cp = 0  # the slice padding was last added to, and its padding so far
+        out = [0] * len(sizes)
         pi = k = 0
         for i, x in enumerate(self.x):
-            cap = latest[k] if k < len(tight) else p
-            if k < len(tight) and tight[k] != i:
-                # leave the next tight parameter room to align
-                hi = min(cap, pi + max(0, room(x + pi) - self.steps[tight[k]] + 1))
+            # room: padding that may go in front of this parameter
+            y = x + pi
+            r = y // s
+            rem = q - (cp if r == cr else 0)
+            to_end = (r + 1) * s - y
+            room = rem if to_end > rem else (p if q >= s else to_end + q)
+            if k < n_tight:
+                if tight[k] != i:
+                    # leave the next tight parameter room to align
+                    hi = min(latest[k], pi + max(0, room - steps[tight[k]] + 1))
+                else:
+                    hi = min(latest[k], pi + room)
+                    u = _prev_start(x + hi, sizes[i], steps[i], s, x + pi)
+                    if u is None:
+                        return None
+                    hi = u - x
+                    k += 1
             else:
-                hi = min(cap, pi + room(x + pi))
-            if k < len(tight) and tight[k] == i:
-                u = _prev_start(x + hi, self.sizes[i], self.steps[i], s, x + pi)
-                if u is None:
-                    return None
-                hi = u - x
-                k += 1
-            add(x + pi, hi - pi)
+                hi = min(p, pi + room)
+            add = hi - pi
+            if add > 0:  # the padding fills slice r, then the slices after it
+                if add <= to_end:
+                    cp = (cp if r == cr else 0) + add
+                    cr = r
+                else:
+                    cr = (y + add - 1) // s
+                    cp = y + add - cr * s
             out[i] = pi = hi
-        if p - pi > room(self.d + pi):
+        y = self.d + pi
+        r = y // s
+        rem = q - (cp if r == cr else 0)
+        to_end = (r + 1) * s - y
+        room = rem if to_end > rem else (p if q >= s else to_end + q)
+        if p - pi > room:
             return None
         return out
 
@@ -353,6 +355,11 @@ def _slice_pads(offsets: list[int], sizes: list[int], s: int, n: int) -> list[in
     pads = [s] * n
     for off, size in zip(offsets, sizes):
         a, b = off, off + size
+        r = a // s
+        if b <= (r + 1) * s:  # within one slice (most parameters)
+            if size:
+                pads[r] -= size
+            continue
         while a < b:
             r = a // s
             e = min(b, (r + 1) * s)
