@@ -21,19 +21,12 @@ class _Grid:
     """
 
     def __init__(self, sizes: list[int], steps: list[int]) -> None:
-        self.offsets: list[int] = []
-        self.starts: list[int] = []
-        self.ends: list[int] = []
-        self.steps: list[int] = []
-        pos = 0
-        for size, step in zip(sizes, steps):
-            self.offsets.append(pos)
-            if size > 0:
-                self.starts.append(pos)
-                self.ends.append(pos + size)
-                self.steps.append(step)
-            pos += size
-        self.total = pos
+        self.offsets: list[int] = [0, *itertools.accumulate(sizes)]
+        self.total = self.offsets.pop()
+        nonzero = [(a, size, g) for a, size, g in zip(self.offsets, sizes, steps) if size > 0]
+        self.starts: list[int] = [a for a, _, _ in nonzero]
+        self.ends: list[int] = [a + size for a, size, _ in nonzero]
+        self.steps: list[int] = [g for _, _, g in nonzero]
 
     def _find(self, x: int) -> int:
         """Index of the nonzero parameter holding data position ``0 <= x < D``."""
@@ -148,13 +141,29 @@ def _furthest(grid: _Grid, s: int, n: int) -> tuple[list[int] | None, int, int]:
     cuts and ``s`` is not a multiple of its step), or ``(None, -1, short)`` when the
     last slice is ``short`` elements too long.
     """
+    # `_Grid.forward` inlined (its upper end only)
+    d = grid.total
+    starts, ends, steps = grid.starts, grid.ends, grid.steps
     cuts = [0]
     prev = 0
-    for _ in range(n - 1):
-        allowed = grid.forward(prev, s)
-        if allowed is None:
-            return None, grid.inside(prev), 0
-        prev = allowed[1]
+    for r in range(1, n):
+        reach = prev + s
+        if reach >= d:  # this cut and all the rest at the end
+            prev = d
+            cuts += [d] * (n - r)
+            break
+        if prev > 0:
+            i = bisect_right(starts, prev) - 1
+            st = starts[i]
+            if st < prev and reach < ends[i]:  # the slice holds exactly s
+                if (reach - st) % steps[i]:
+                    return None, i, 0
+                prev = reach
+                cuts.append(prev)
+                continue
+        j = bisect_right(starts, reach) - 1
+        st = starts[j]
+        prev = st + (reach - st) // steps[j] * steps[j]
         cuts.append(prev)
     if grid.total - prev > s:
         return None, -1, grid.total - prev - s
@@ -446,13 +455,26 @@ def _even_cuts(sizes: list[int], steps: list[int], n: int) -> tuple[_Grid, int, 
     if d == 0:
         return grid, 0, [0] * (n + 1)
     s, furthest = _slice_length(grid, n)
+    # the backward-furthest cuts (`_Grid.backward` inlined, its lower end only); they stay
+    # 0 from where they reach the start or run into a dead end
+    starts, ends, steps = grid.starts, grid.ends, grid.steps
     backward = [0] * (n + 1)
-    backward[n] = d
+    backward[n] = b = d
     for r in range(n - 1, 0, -1):
-        allowed = grid.backward(backward[r + 1], s)
-        if allowed is None:
+        reach = b - s
+        if reach <= 0:
             break
-        backward[r] = allowed[0]
+        if b < d:
+            i = bisect_right(starts, b) - 1
+            st = starts[i]
+            if st < b and reach > st:  # the slice holds exactly s
+                if (reach - st) % steps[i]:
+                    break
+                backward[r] = b = reach
+                continue
+        j = bisect_right(starts, reach) - 1
+        st = starts[j]
+        backward[r] = b = min(st - (st - reach) // steps[j] * steps[j], ends[j])
     best, best_spread = furthest, _spread(furthest)
     for cand in (
         _balanced(grid, s, n, backward, reverse=False),

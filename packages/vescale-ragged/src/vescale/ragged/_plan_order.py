@@ -64,16 +64,18 @@ def _bridged_order(sizes: list[int], steps: list[int], n: int) -> list[int] | No
     order: list[int] = []
     pos = 0
     r = 1
+    fine_left = sum(sizes[i] for i in fine)  # elements of the fine parameters not placed
 
     def take_fine(room: int) -> None:
         """Largest-first fine parameters that fit in ``room`` (in place)."""
-        nonlocal pos
+        nonlocal pos, fine_left
         k = 0
         while k < len(fine) and room > 0:
             if sizes[fine[k]] <= room:
                 i = fine.pop(k)
                 order.append(i)
                 pos += sizes[i]
+                fine_left -= sizes[i]
                 room -= sizes[i]
             else:
                 k += 1
@@ -96,12 +98,13 @@ def _bridged_order(sizes: list[int], steps: list[int], n: int) -> list[int] | No
             pos += sizes[i]
         else:
             gap = target - pos
-            if not long and sum(sizes[i] for i in fine) > gap:
+            if not long and fine_left > gap:
                 take_fine(gap)
                 if pos < target and fine:  # the smallest fine one straddles the target
                     i = fine.pop()
                     order.append(i)
                     pos += sizes[i]
+                    fine_left -= sizes[i]
             else:
                 i = coarse.pop(0)
                 shift = gap % steps[i]
@@ -115,6 +118,7 @@ def _bridged_order(sizes: list[int], steps: list[int], n: int) -> list[int] | No
                         fine.remove(f)
                         order.append(f)
                         pos += sizes[f]
+                        fine_left -= sizes[f]
                 order.append(i)
                 pos += sizes[i]
         while r < n and r * share <= pos:
