@@ -21,24 +21,11 @@ pytest.importorskip("safetensors")
 import vescale.checkpoint as vckpt  # noqa: E402
 from vescale.dmodule import parallelize_module  # noqa: E402
 from vescale.dtensor import DTensor, init_device_mesh  # noqa: E402
-from vescale.dtensor.testing import run_on_ranks  # noqa: E402
+from vescale.dtensor.testing import load_helper, run_on_ranks  # noqa: E402
 
-TOL = dict(atol=1e-5, rtol=1e-5)
-
-
-def _config(kind):
-    import transformers
-
-    if kind == "gpt2":
-        return transformers.GPT2Config(
-            vocab_size=64, n_positions=16, n_embd=32, n_layer=2, n_head=4,
-            resid_pdrop=0.0, embd_pdrop=0.0, attn_pdrop=0.0,
-        )  # fmt: skip
-    return transformers.LlamaConfig(
-        vocab_size=64, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
-        num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=16,
-        tie_word_embeddings=False,
-    )  # fmt: skip
+_HF = load_helper(__file__, "_hf_helpers")
+TOL = _HF.TOL
+_config = _HF.config
 
 
 def _batches(n, rows=8):

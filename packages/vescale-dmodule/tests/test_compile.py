@@ -14,20 +14,11 @@ from torch.distributed.tensor import DTensor
 from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel
 
 from vescale.dmodule import parallelize_module
+from vescale.dmodule.testing import MLP
 from vescale.dtensor import Replicate, init_device_mesh
 from vescale.dtensor.testing import distributed
 
 TOL = dict(atol=1e-5, rtol=1e-5)
-
-
-class MLP(nn.Module):
-    def __init__(self, d=8, h=16):
-        super().__init__()
-        self.fc1 = nn.Linear(d, h)
-        self.fc2 = nn.Linear(h, d)
-
-    def forward(self, x):
-        return self.fc2(F.gelu(self.fc1(x)))
 
 
 def _full(t):
@@ -36,7 +27,7 @@ def _full(t):
 
 def _build(engine):
     torch.manual_seed(0)
-    model = MLP()
+    model = MLP(8, 16)
     if engine == "tp":  # vescale's automatic plan, implicit replication on
         mesh = init_device_mesh("cpu", (2,), mesh_dim_names=("tp",))
         return parallelize_module(model, mesh)

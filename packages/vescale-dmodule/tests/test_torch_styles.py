@@ -26,20 +26,11 @@ from torch.distributed.tensor.parallel import (
 from torch.distributed.tensor.parallel import parallelize_module as torch_parallelize
 
 from vescale.dmodule import DModule, parallelize_module
+from vescale.dmodule.testing import MLP
 from vescale.dtensor import Replicate, Shard, init_device_mesh
 from vescale.dtensor.testing import distributed
 
 TOL = dict(atol=1e-5, rtol=1e-5)
-
-
-class MLP(nn.Module):
-    def __init__(self, d=8, h=16):
-        super().__init__()
-        self.fc1 = nn.Linear(d, h)
-        self.fc2 = nn.Linear(h, d)
-
-    def forward(self, x):
-        return self.fc2(F.gelu(self.fc1(x)))
 
 
 class Attention(nn.Module):
@@ -153,7 +144,7 @@ def _full(t):
 def _case(kind):
     torch.manual_seed(0)
     if kind == "mlp":
-        model, plan = MLP(), mlp_plan()
+        model, plan = MLP(8, 16), mlp_plan()
         batches = [((torch.randn(4, 8),), {}) for _ in range(3)]
     elif kind == "attn":
         model, plan = AttnMLP(), attn_plan()
@@ -241,7 +232,7 @@ def test_parity_tp4_dmodule():
 def test_options_and_dump_plan():
     mesh = init_device_mesh("cpu", (2,), mesh_dim_names=("tp",))
     torch.manual_seed(0)
-    model = MLP()
+    model = MLP(8, 16)
     ref = copy.deepcopy(model)
     # use_local_output=False: DTensor outputs; Colwise output_layouts=Replicate gathers
     plan = {
@@ -259,7 +250,7 @@ def test_options_and_dump_plan():
     assert f"fc2.output: [-> [{Shard(-1)}]]" in text, text
     # PrepareModuleOutput / PrepareModuleInputOutput on the root
     torch.manual_seed(0)
-    model = MLP()
+    model = MLP(8, 16)
     plan = {
         "": PrepareModuleInputOutput(
             input_layouts=Shard(0),
@@ -275,7 +266,7 @@ def test_options_and_dump_plan():
     assert type(out) is torch.Tensor
     torch.testing.assert_close(out, ref(x).chunk(2)[rank], **TOL)
     torch.manual_seed(0)
-    model = MLP()
+    model = MLP(8, 16)
     parallelize_module(
         model,
         mesh,
@@ -297,7 +288,7 @@ def test_2d_mesh_tp_dim_and_mixed_plan():
     # torch's styles on the 'tp' dim of a (dp, tp) mesh, mixed with vescale entries
     mesh = init_device_mesh("cpu", (2, 2), mesh_dim_names=("dp", "tp"))
     torch.manual_seed(0)
-    model = MLP()
+    model = MLP(8, 16)
     ref = copy.deepcopy(model)
     plan = {
         "fc1": ColwiseParallel(),

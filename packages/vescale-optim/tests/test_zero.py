@@ -122,6 +122,18 @@ def _check_state(opt, ref_opt, ref_params, opt_name, rtol=1e-5, atol=1e-6):
             assert float(st["step"]) == float(rst["step"])
 
 
+def _matches_torch(dp, tp, opt_name, clip, paths=None):
+    """5 steps of `_run` against `_reference`: parameters, optimizer state, gradient norms."""
+    _, params, opt, norms = _run(dp, tp, opt_name, clip, paths=paths)
+    ref, ref_opt, ref_norms = _reference(opt_name, 5, dp, clip)
+    for p, r in zip(params, ref):
+        torch.testing.assert_close(p.full_tensor(), r.detach(), rtol=1e-5, atol=1e-6)
+    _check_state(opt, ref_opt, ref, opt_name)
+    for a, b in zip(norms, ref_norms):
+        assert abs(a - b) <= 1e-6 * abs(b), (a, b)
+    return params, opt
+
+
 @pytest.mark.parametrize(
     "dp,tp,opt_name,clip",
     [
@@ -133,13 +145,7 @@ def _check_state(opt, ref_opt, ref_params, opt_name, rtol=1e-5, atol=1e-6):
 )
 @distributed(2)
 def test_dp2_matches_torch(dp, tp, opt_name, clip):
-    _, params, opt, norms = _run(dp, tp, opt_name, clip)
-    ref, ref_opt, ref_norms = _reference(opt_name, 5, dp, clip)
-    for p, r in zip(params, ref):
-        torch.testing.assert_close(p.full_tensor(), r.detach(), rtol=1e-5, atol=1e-6)
-    _check_state(opt, ref_opt, ref, opt_name)
-    for a, b in zip(norms, ref_norms):
-        assert abs(a - b) <= 1e-6 * abs(b), (a, b)
+    _matches_torch(dp, tp, opt_name, clip)
 
 
 @pytest.mark.parametrize(
@@ -154,13 +160,7 @@ def test_dp2_matches_torch(dp, tp, opt_name, clip):
 )
 @distributed(4)
 def test_dp4_and_tp_matches_torch(dp, tp, opt_name, clip):
-    _, params, opt, norms = _run(dp, tp, opt_name, clip)
-    ref, ref_opt, ref_norms = _reference(opt_name, 5, dp, clip)
-    for p, r in zip(params, ref):
-        torch.testing.assert_close(p.full_tensor(), r.detach(), rtol=1e-5, atol=1e-6)
-    _check_state(opt, ref_opt, ref, opt_name)
-    for a, b in zip(norms, ref_norms):
-        assert abs(a - b) <= 1e-6 * abs(b), (a, b)
+    params, opt = _matches_torch(dp, tp, opt_name, clip)
     # each dp rank holds ~1/dp of the optimizer state
     local = sum(s.numel() for s in opt.local_shards())
     total = sum(p.to_local().numel() for p in params)
@@ -170,12 +170,7 @@ def test_dp4_and_tp_matches_torch(dp, tp, opt_name, clip):
         # the in-place per-piece broadcasts give the same training
         assert [b.gather for b in opt._buckets] == ["slices"]
         for paths in (("nccl", None), ("gloo", "pieces")):
-            _, params2, opt2, norms2 = _run(dp, tp, opt_name, clip, paths=paths)
-            for p, r in zip(params2, ref):
-                torch.testing.assert_close(p.full_tensor(), r.detach(), rtol=1e-5, atol=1e-6)
-            _check_state(opt2, ref_opt, ref, opt_name)
-            for a, b in zip(norms2, ref_norms):
-                assert abs(a - b) <= 1e-6 * abs(b), (a, b)
+            _matches_torch(dp, tp, opt_name, clip, paths=paths)
 
 
 @pytest.mark.parametrize("clip", [None, 0.5])
