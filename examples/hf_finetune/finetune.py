@@ -1,13 +1,13 @@
 """Fine-tune a locally saved tiny LLaMA with LoRA on 4 CPU ranks, export, reload in transformers.
 
     torchrun --standalone --nproc-per-node 4 examples/hf_finetune/finetune.py [--steps 20]
-        [--mode fsdp|tp] [--workdir runs/hf_finetune]
+        [--mode fsdp|tp|fsdp_tp] [--workdir runs/hf_finetune]
 
 1. Rank 0 saves a random tiny ``LlamaForCausalLM`` with ``save_pretrained`` (nothing is
    downloaded): this stands in for a pretrained checkpoint.
 2. Every rank builds the model on the ``meta`` device, wraps it with peft's LoRA,
-   parallelizes it (FSDP over 4 ranks, or tensor parallelism) and reads its own shards of
-   the pretrained weights with ``vescale.checkpoint.load_hf``.
+   parallelizes it (FSDP over 4 ranks, tensor parallelism, or FSDP x TP on 2 x 2) and
+   reads its own shards of the pretrained weights with ``vescale.checkpoint.load_hf``.
 3. It trains the adapters only (the base weights are frozen).
 4. ``vescale.checkpoint.export`` writes the merged model (``W + B @ A * scaling``) as a
    sharded ``save_pretrained`` directory, each rank its own files, and the adapter alone
@@ -32,7 +32,7 @@ import torch.distributed as dist
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--steps", type=int, default=20)
-    ap.add_argument("--mode", choices=["fsdp", "tp"], default="fsdp")
+    ap.add_argument("--mode", choices=["fsdp", "tp", "fsdp_tp"], default="fsdp")
     ap.add_argument("--workdir", default="runs/hf_finetune")
     args = ap.parse_args()
     try:
@@ -49,10 +49,20 @@ def main() -> int:
     from vescale.dmodule import parallelize_module
     from vescale.dtensor import DTensor, init_device_mesh
 
-    mesh = init_device_mesh("cpu", (int(os.environ.get("WORLD_SIZE", "1")),), mesh_dim_names=(
-        ("dp",) if args.mode == "fsdp" else ("tp",)
-    ))  # fmt: skip
-    rank, world = dist.get_rank(), dist.get_world_size()
+    world = int(os.environ.get("WORLD_SIZE", "1"))
+    if args.mode == "fsdp_tp":  # FSDP over "dp", the automatic TP plan over "tp"
+        mesh = init_device_mesh("cpu", (world // 2, 2), mesh_dim_names=("dp", "tp"))
+    else:
+        names = ("dp",) if args.mode == "fsdp" else ("tp",)
+        mesh = init_device_mesh("cpu", (world,), mesh_dim_names=names)
+    rank = dist.get_rank()
+    # this rank's data-parallel index and the number of data-parallel ranks
+    if args.mode == "fsdp":
+        dp_rank, dp_size = rank, world
+    elif args.mode == "fsdp_tp":
+        dp_rank, dp_size = mesh.get_local_rank("dp"), world // 2
+    else:
+        dp_rank, dp_size = 0, 1
     work = Path(args.workdir)
     pretrained, merged, adapter = work / "pretrained", work / "merged", work / "adapter"
 
@@ -74,9 +84,11 @@ def main() -> int:
         model = transformers.AutoModelForCausalLM.from_config(cfg)
     lora = peft.LoraConfig(r=8, lora_alpha=16, target_modules=["q_proj", "v_proj"])
     model = peft.get_peft_model(model, lora)
-    opts = {"data_parallel": {"dp": "fsdp"}} if args.mode == "fsdp" else {}
-    plan = {} if args.mode == "fsdp" else None  # tp: the automatic Megatron plan
+    opts = {"data_parallel": {"dp": "fsdp"}} if args.mode != "tp" else {}
+    plan = {} if args.mode == "fsdp" else None  # tp, fsdp_tp: the automatic Megatron plan
     base = model.get_base_model()
+    # (no torch.manual_seed: the processes' generators differ; parallelize_module
+    # initialises the meta tensors from rank 0's, so replicated adapters agree)
     parallelize_module(model, mesh, plan, param_init_fn=base._init_weights, **opts)
     # LoRA starts as the identity: B = 0 (A keeps its random initialisation)
     with torch.no_grad():
@@ -100,14 +112,14 @@ def main() -> int:
         g = torch.Generator().manual_seed(step)  # the same global batch on every rank
         starts = torch.randint(0, data.numel() - 33, (8,), generator=g)
         seq = data[starts.unsqueeze(1) + torch.arange(33)]
-        if args.mode == "fsdp":
-            seq = seq.chunk(world)[rank]  # each data-parallel rank: its share
+        seq = seq.chunk(dp_size)[dp_rank]  # each data-parallel rank: its share
         loss = model(input_ids=seq[:, :-1], labels=seq[:, 1:]).loss
         loss.backward()
         opt.step()
         opt.zero_grad()
-        loss = loss.full_tensor() if isinstance(loss, DTensor) else loss.detach()
-        if args.mode == "fsdp":
+        loss = loss.detach()
+        loss = (loss.full_tensor() if isinstance(loss, DTensor) else loss).clone()
+        if dp_size > 1:  # (tensor-parallel ranks hold equal losses)
             dist.all_reduce(loss, op=dist.ReduceOp.AVG)
         if rank == 0 and (step % 5 == 0 or step == args.steps - 1):
             print(f"step {step + 1:>3}/{args.steps} loss {loss.item():.4f}", flush=True)
