@@ -339,9 +339,20 @@ class _Hops:
 
     def step(self, x: int) -> int | None:
         y = self.next.get(x, -1)
-        if y == -1:
-            allowed = self.grid.forward(x, self.s)
-            y = self.next[x] = None if allowed is None else allowed[1]
+        if y == -1:  # `_Grid.forward`, its upper end only
+            grid = self.grid
+            reach = x + self.s
+            if reach >= grid.total:
+                y = grid.total
+            else:
+                starts, steps = grid.starts, grid.steps
+                i = bisect_right(starts, x) - 1 if x > 0 else -1
+                if i >= 0 and starts[i] < x and reach < grid.ends[i]:  # holds exactly s
+                    y = None if (reach - starts[i]) % steps[i] else reach
+                else:
+                    j = bisect_right(starts, reach) - 1
+                    y = starts[j] + (reach - starts[j]) // steps[j] * steps[j]
+            self.next[x] = y
         return y
 
     def count(self, x: int) -> int:

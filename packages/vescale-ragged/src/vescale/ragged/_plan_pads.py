@@ -202,19 +202,24 @@ class _Even:
         pi = 0
         k = 0
         tight = self.tight
-        for i in range(len(self.sizes)):
+        n_tight = len(tight)
+        xs, sizes, steps = self.x, self.sizes, self.steps
+        for i in range(len(sizes)):
             t = target(i)
-            if k < len(tight) and tight[k] == i:
-                x, l, g = self.x[i], self.sizes[i], self.steps[i]
+            if k < n_tight and tight[k] == i:
+                x = xs[i]
                 hi = latest[k]
                 lo = max(pi, least[k])
-                a = _next_start(x + max(t, lo), l, g, s, x + hi)
-                b = _prev_start(x + min(max(t, lo), hi), l, g, s, x + lo)
-                cands = [v - x for v in (a, b) if v is not None]
-                pi = min(cands, key=lambda v: abs(v - t))
+                a = _next_start(x + max(t, lo), sizes[i], steps[i], s, x + hi)
+                b = _prev_start(x + min(max(t, lo), hi), sizes[i], steps[i], s, x + lo)
+                # the one nearer t (the later start on a tie)
+                if b is None or (a is not None and abs(a - x - t) <= abs(b - x - t)):
+                    pi = a - x  # type: ignore[operator]
+                else:
+                    pi = b - x
                 k += 1
             else:
-                cap = latest[k] if k < len(tight) else p
+                cap = latest[k] if k < n_tight else p
                 pi = min(max(t, pi), cap)
             out[i] = pi
         return out

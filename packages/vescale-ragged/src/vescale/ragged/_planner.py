@@ -437,13 +437,14 @@ def _plan_one(
         rules = [rules[i] for i in perm]
         offsets = p_offsets
     starts = [a for a, _ in ranges]
-    cache: dict = {}
-    slots = [
-        _make_slot(spec, size, off, k, ranges, starts, n, cache)
-        for spec, size, off, (k, _) in zip(specs, sizes, offsets, rules)
-    ]
     numel = ranges[-1][1]
     even = all(b - a == ranges[0][1] - ranges[0][0] for a, b in ranges)
+    cache: dict = {}
+    s = ranges[0][1] if even else 0  # slices [r * s, (r + 1) * s): the rank is pos // s
+    slots = [
+        _make_slot(spec, size, off, k, ranges, starts, n, cache, s)
+        for spec, size, off, (k, _) in zip(specs, sizes, offsets, rules)
+    ]
     return FlatLayout(dtype, n, numel, tuple(ranges), tuple(slots), even)
 
 
@@ -465,17 +466,21 @@ def _make_slot(
     starts: list[int],
     n: int,
     cache: dict | None = None,
+    even_s: int = 0,
 ) -> ParamSlot:
     """The slot of one parameter; ``cache`` shares equal placements between parameters
     (placements are immutable values; at 1,024 ranks building each one's units is most
-    of the cost)."""
+    of the cost). ``even_s``: the slice length when all slices have it (``> 0``)."""
     stop = off + size
     if size == 0:
-        r0 = r1 = _rank_of(off, starts, ranges)
+        r0 = r1 = min(off // even_s, n - 1) if even_s else _rank_of(off, starts, ranges)
         counts: tuple[int, ...] = (1,)
     else:
-        r0 = _rank_of(off, starts, ranges)
-        r1 = _rank_of(stop - 1, starts, ranges)
+        if even_s:
+            r0, r1 = off // even_s, (stop - 1) // even_s
+        else:
+            r0 = _rank_of(off, starts, ranges)
+            r1 = _rank_of(stop - 1, starts, ranges)
         if r0 == r1:
             counts = (1,)
         else:
