@@ -55,7 +55,13 @@ def run_worlds(
     return out
 
 
-def time_alternating(sides: Mapping[str, Callable[[], Any]], steps: int) -> dict[str, float]:
+def time_alternating(
+    sides: Mapping[str, Callable[[], Any]],
+    steps: int,
+    *,
+    after: Mapping[str, Callable[[], Any]] | None = None,
+    samples: dict[str, list[float]] | None = None,
+) -> dict[str, float]:
     """Median milliseconds per call of each side, the sides called in turns.
 
     Every round calls each side once, after a barrier of the default process group;
@@ -65,6 +71,9 @@ def time_alternating(sides: Mapping[str, Callable[[], Any]], steps: int) -> dict
     Args:
         sides: ``{name: step}``, each ``step()`` one timed unit (e.g. a training step).
         steps: Rounds (timed calls per side).
+        after: ``{name: fn}``: ``fn()`` runs right after each timed call of that side,
+            untimed (e.g. the backward that prepares the next timed unit).
+        samples: Filled with every timed call's seconds per side (for a spread).
 
     Returns:
         ``{name: median ms}``.
@@ -79,6 +88,10 @@ def time_alternating(sides: Mapping[str, Callable[[], Any]], steps: int) -> dict
             t0 = time.perf_counter()
             sides[name]()
             times[name].append(time.perf_counter() - t0)
+            if after is not None and name in after:
+                after[name]()
+    if samples is not None:
+        samples.update(times)
     return {name: 1e3 * statistics.median(t) for name, t in times.items()}
 
 

@@ -26,23 +26,11 @@
 from __future__ import annotations
 
 import argparse
-import time
 
 import torch
 import torch.distributed as dist
+from _launch import run_worlds, time_alternating
 from _summary import emit, human_bytes
-
-from vescale.dtensor.testing import run_on_ranks
-
-
-def _time(fn, iters: int) -> float:
-    fn()  # warm-up (creates optimizer state)
-    dist.barrier()
-    t0 = time.perf_counter()
-    for _ in range(iters):
-        fn()
-    dist.barrier()
-    return (time.perf_counter() - t0) / iters
 
 
 def _state_bytes(opt: torch.optim.Optimizer) -> int:
@@ -56,8 +44,6 @@ def _state_bytes(opt: torch.optim.Optimizer) -> int:
 
 def _zero_body(mparams: float, iters: int):
     """ZeRO-1 peers, each timed per step in turn (alternating), median over ``iters``."""
-    import statistics
-
     from torch.distributed.optim import ZeroRedundancyOptimizer
 
     from vescale.dtensor import Replicate, distribute_tensor, from_local, init_device_mesh
@@ -125,13 +111,8 @@ def _zero_body(mparams: float, iters: int):
         with CommDebugMode() as comm:
             fn()
         sent[k] = comm.get_total_bytes()
-    times: dict[str, list[float]] = {k: [] for k in sides}
-    for _ in range(iters):  # alternate, one step each
-        for k, fn in sides.items():
-            dist.barrier()
-            t0 = time.perf_counter()
-            fn()
-            times[k].append(time.perf_counter() - t0)
+    times: dict[str, list[float]] = {}
+    medians = time_alternating(sides, iters, samples=times)
     # every side ran the same steps on the same gradients: same parameters
     ref = [b.detach() for b in bs]
     diffs = {
@@ -147,7 +128,7 @@ def _zero_body(mparams: float, iters: int):
     dist.all_gather_object(gathered, _state_bytes(zero_opt.optim))
     return {
         "P": P,
-        **{f"{k}_s": statistics.median(v) for k, v in times.items()},
+        **{f"{k}_s": ms / 1e3 for k, ms in medians.items()},
         **{f"{k}_spread": (min(v), max(v)) for k, v in times.items()},
         **{f"{k}_sent": v for k, v in sent.items()},
         "state_ours": _state_bytes(opt),
@@ -207,18 +188,14 @@ def _muon_body(dim: int, nmat: int, iters: int):
         with torch.no_grad():
             _naive_muon_step(qs, bufs, 0.02, 0.1, 0.95)
 
-    t_ours, t_naive = [], []
-    for _ in range(2):
-        t_ours.append(_time(ours, iters))
-        t_naive.append(_time(naive, iters))
+    ours(), naive()  # warm-up (creates optimizer state)
+    ms = time_alternating({"ours": ours, "naive": naive}, iters)
     for p, q in zip(ps, qs):  # same math
         torch.testing.assert_close(p.to_local(), q.to_local(), rtol=1e-4, atol=1e-5)
-    return {"ours_s": min(t_ours), "naive_s": min(t_naive)}
+    return {"ours_s": ms["ours"] / 1e3, "naive_s": ms["naive"] / 1e3}
 
 
 def _overlap_body(mparams: float, layers: int, batch: int, iters: int, bucket_mb: float):
-    import statistics
-
     import torch.nn.functional as F
     from torch import nn
 
@@ -250,20 +227,27 @@ def _overlap_body(mparams: float, layers: int, batch: int, iters: int, bucket_mb
         model = nn.Sequential(*(Layer(w.clone()) for w in init))
         opt = DistributedOptimizer(model, torch.optim.AdamW, mesh=mesh, dp_dim="dp", lr=1e-4, **kw)
         model(x).square().mean().backward()
-        runs[name] = (model, opt, [])
+        runs[name] = (model, opt)
 
-    def one(model, opt, times):
-        dist.barrier()
-        t0 = time.perf_counter()
+    outs: dict[str, torch.Tensor] = {}
+
+    def timed(name):
+        model, opt = runs[name]
         opt.step()
-        out = model(x)  # with overlap: waits for each layer's bucket right before it
-        times.append(time.perf_counter() - t0)
-        opt.zero_grad()  # ZeRO-2 released the gradients in step()
-        out.square().mean().backward()  # gradients for the next step
+        outs[name] = model(x)  # with overlap: waits for each layer's bucket right before it
 
-    for _ in range(iters + 1):  # alternate configs; the first round is warm-up
-        for model, opt, times in runs.values():
-            one(model, opt, times)
+    def untimed(name):
+        runs[name][1].zero_grad()  # ZeRO-2 released the gradients in step()
+        outs.pop(name).square().mean().backward()  # gradients for the next step
+
+    for name in runs:  # warm-up round
+        timed(name)
+        untimed(name)
+    ms = time_alternating(
+        {name: lambda name=name: timed(name) for name in runs},
+        iters,
+        after={name: lambda name=name: untimed(name) for name in runs},
+    )
     ref = [p.to_local() for p in runs[f"off, {bucket_mb:g} MB buckets"][0].parameters()]
     on = [p.to_local() for p in runs[f"on, {bucket_mb:g} MB buckets"][0].parameters()]
     assert all(torch.equal(a, b) for a, b in zip(ref, on)), "overlap changed the parameters"
@@ -271,7 +255,7 @@ def _overlap_body(mparams: float, layers: int, batch: int, iters: int, bucket_mb
     return {
         "P": P,
         "buckets": {k: v[1].num_buckets for k, v in runs.items()},
-        "times": {k: statistics.median(v[2][1:]) for k, v in runs.items()},
+        "times": {k: v / 1e3 for k, v in ms.items()},
     }
 
 
@@ -294,27 +278,31 @@ def main() -> None:
         choices=["zero", "muon", "overlap"],
     )
     args = ap.parse_args()
-    rows = []
-    for n in args.ranks:
-        z = m = o = None
-        if "zero" in args.parts:
-            z = run_on_ranks(_zero_body, n, args.mparams, 4 * args.iters, timeout=900)[0]
-        if "muon" in args.parts:
-            m = run_on_ranks(_muon_body, n, args.muon_dim, args.muon_mats, args.iters, timeout=900)[
-                0
-            ]
-        if "overlap" in args.parts:
-            o = run_on_ranks(
-                _overlap_body,
-                n,
-                args.mparams,
-                args.layers,
-                args.batch,
-                args.iters,
-                args.bucket_mb,
-                timeout=900,
-            )[0]
-        rows.append((n, z, m, o))
+    bodies = {
+        "zero": (_zero_body, args.mparams, 4 * args.iters),
+        "muon": (_muon_body, args.muon_dim, args.muon_mats, args.iters),
+        "overlap": (
+            _overlap_body,
+            args.mparams,
+            args.layers,
+            args.batch,
+            args.iters,
+            args.bucket_mb,
+        ),
+    }
+    got = {
+        part: {
+            n: per_rank[0]
+            for n, per_rank in run_worlds(
+                bodies[part][0], args.ranks, *bodies[part][1:], timeout=900
+            )
+        }
+        for part in ("zero", "muon", "overlap")
+        if part in args.parts
+    }
+    rows = [
+        (n, *(got.get(part, {}).get(n) for part in ("zero", "muon", "overlap"))) for n in args.ranks
+    ]
     if "zero" in args.parts:
         _print_zero(rows, args)
     if "muon" in args.parts:

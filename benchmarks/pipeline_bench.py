@@ -23,7 +23,9 @@ interleaved 1F1B) on stages split from an unmodified GPT. Per schedule, pipeline
   bytes per pipeline, both directions).
 * the step time of vescale's split against a hand-written split of the same model
   into ``nn.Module`` stages driven by the same torch schedule (the PyTorch baseline:
-  what torchtitan-style manual splitting costs).
+  what torchtitan-style manual splitting costs). Every schedule and the baseline of
+  one ``m`` step in turns (`_launch.time_alternating`); a step is the schedule's
+  forward and backward plus the SGD update.
 
 Usage::
 
@@ -36,14 +38,13 @@ import argparse
 import statistics
 import time
 
+from _launch import run_worlds, time_alternating
 from _summary import emit, human_bytes
 
 SCHEDULES = ("gpipe", "1f1b", "interleaved1f1b")
 
 
 def bench_worker(steps: int, cfg_kwargs: dict, batch: int, seq: int, micro: list[int]) -> dict:
-    import contextlib
-
     import torch
     import torch.distributed as dist
     import torch.nn.functional as F
@@ -111,51 +112,45 @@ def bench_worker(steps: int, cfg_kwargs: dict, batch: int, seq: int, micro: list
             st.forward_one_chunk, st.backward_one_chunk = f, b
         return busy, live, saved
 
-    results: dict = {}
-    for m in micro:
-        for name in SCHEDULES:
-            if name == "interleaved1f1b" and (m % p or cfg.n_layer < 2 * p):
-                continue
-            torch.manual_seed(0)
-            pp = pipeline_parallelize(
-                GPT(cfg),
-                mesh,
-                example_inputs=(idx,),
-                loss_fn=loss_fn,
-                microbatches=m,
-                schedule=name,
-            )
-            busy, live, saved = instrument(pp.stages)
-            opt = torch.optim.SGD(pp.parameters(), lr=1e-3)
-            times, fracs = [], []
-            for step in range(steps + 1):
-                busy[0], live["now"], live["peak"], saved["bytes"], sent[0] = 0.0, 0, 0, 0, 0
-                dist.barrier()
-                t0 = time.perf_counter()
-                pp.step(idx, target=tgt)
-                dt = time.perf_counter() - t0
-                opt.step()
-                opt.zero_grad()
-                if step:  # the first step is a warm-up
-                    times.append(dt)
-                    fracs.append(1 - busy[0] / dt)
-            results[(name, m)] = {
-                "ms": 1e3 * statistics.median(times),
-                "idle": statistics.median(fracs),
+    def vescale_side(name, m):
+        torch.manual_seed(0)
+        pp = pipeline_parallelize(
+            GPT(cfg),
+            mesh,
+            example_inputs=(idx,),
+            loss_fn=loss_fn,
+            microbatches=m,
+            schedule=name,
+        )
+        busy, live, saved = instrument(pp.stages)
+        opt = torch.optim.SGD(pp.parameters(), lr=1e-3)
+        fracs: list[float] = []
+
+        def step():
+            busy[0], live["now"], live["peak"], saved["bytes"], sent[0] = 0.0, 0, 0, 0, 0
+            t0 = time.perf_counter()
+            pp.step(idx, target=tgt)
+            fracs.append(1 - busy[0] / (time.perf_counter() - t0))
+            opt.step()
+            opt.zero_grad()
+
+        def stats():
+            return {
+                "idle": statistics.median(fracs[1:]),  # the first step is a warm-up
                 "saved_per_mb": saved["bytes"] / (m * len(pp.stages)),
                 "peak_in_flight": live["peak"],
                 "sent": sent[0],
                 "stages": len(pp.stages),
             }
 
+        return step, stats
+
     # PyTorch baseline: the same blocks split by hand into nn.Module stages, GPipe
-    torch.manual_seed(0)
-    full = GPT(cfg)
     per = cfg.n_layer // p
     mine = list(range(rank * per, (rank + 1) * per))
 
     class Stage(nn.Module):
-        def __init__(self) -> None:
+        def __init__(self, full) -> None:
             super().__init__()
             self.wte = full.wte if rank == 0 else None
             self.wpe = full.wpe if rank == 0 else None
@@ -170,65 +165,41 @@ def bench_worker(steps: int, cfg_kwargs: dict, batch: int, seq: int, micro: list
                 x = blk(x)
             return self.lm_head(self.ln_f(x)) if self.ln_f is not None else x
 
-    for m in micro:
+    def torch_side(m):
+        torch.manual_seed(0)
         mb = batch // m
         h = torch.empty(mb, seq, cfg.n_embd, requires_grad=True)
         ins = (idx[:mb],) if rank == 0 else (h,)
         logits = torch.empty(mb, seq, cfg.vocab_size, requires_grad=True)
         outs = (logits,) if rank == p - 1 else (h,)
         stage = PipelineStage(
-            Stage(), rank, p, torch.device("cpu"), input_args=ins, output_args=outs
+            Stage(GPT(cfg)), rank, p, torch.device("cpu"), input_args=ins, output_args=outs
         )
         sched = ScheduleGPipe(stage, m, loss_fn=loss_fn)
         opt = torch.optim.SGD(stage.submod.parameters(), lr=1e-3)
-        times = []
-        for step in range(steps + 1):
-            dist.barrier()
-            t0 = time.perf_counter()
-            with contextlib.nullcontext():
-                sched.step(*((idx,) if rank == 0 else ()), target=tgt if rank == p - 1 else None)
-            dt = time.perf_counter() - t0
+
+        def step():
+            sched.step(*((idx,) if rank == 0 else ()), target=tgt if rank == p - 1 else None)
             opt.step()
             opt.zero_grad()
-            if step:
-                times.append(dt)
-        results[("torch manual gpipe", m)] = {"ms": 1e3 * statistics.median(times)}
+
+        return step
+
+    results: dict = {}
+    for m in micro:
+        sides, stats = {}, {}
+        for name in SCHEDULES:
+            if name == "interleaved1f1b" and (m % p or cfg.n_layer < 2 * p):
+                continue
+            sides[name], stats[name] = vescale_side(name, m)
+        sides["torch manual gpipe"] = torch_side(m)
+        for step in sides.values():  # warm-up
+            dist.barrier()
+            step()
+        # every schedule and the baseline in turns: load hits them alike
+        for name, ms in time_alternating(sides, steps).items():
+            results[(name, m)] = {"ms": ms, **(stats[name]() if name in stats else {})}
     return results
-
-
-def _rank_main(rank: int, world: int, port: int, args: tuple, queue) -> None:
-    import os
-
-    import torch.distributed as dist
-
-    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
-    dist.init_process_group("gloo", rank=rank, world_size=world)
-    try:
-        queue.put((rank, bench_worker(*args)))
-    finally:
-        dist.destroy_process_group()
-
-
-def run_ranks(world: int, *args) -> list:
-    """``bench_worker(*args)`` on ``world`` spawned gloo ranks; results by rank.
-
-    Spawned per pipeline size rather than through the test pool: on a loaded machine
-    the pool's start-up deadline is too short, and nothing here is reused.
-    """
-    import socket
-
-    import torch.multiprocessing as mp
-
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        port = sock.getsockname()[1]
-    ctx = mp.get_context("spawn")
-    queue = ctx.SimpleQueue()
-    mp.start_processes(
-        _rank_main, args=(world, port, args, queue), nprocs=world, start_method="spawn"
-    )
-    out = dict(queue.get() for _ in range(world))
-    return [out[r] for r in range(world)]
 
 
 def main() -> None:
@@ -263,7 +234,10 @@ def main() -> None:
         f"{'/act':>5}"
     )
     for p in args.pp:
-        res = run_ranks(p, args.steps, cfg, args.batch, args.seq, args.microbatches)
+        # spawned per pipeline size: a loaded machine can miss the pool's start-up deadline
+        ((_, res),) = run_worlds(
+            bench_worker, [p], args.steps, cfg, args.batch, args.seq, args.microbatches, fresh=True
+        )
         print(head)
         print("-" * len(head))
         for m in args.microbatches:
