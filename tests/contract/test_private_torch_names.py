@@ -81,3 +81,39 @@ def test_no_private_torch_name_outside_compat_modules():
         if PRIVATE.search(line)
     ]
     assert not found, "private torch names outside _compat.py:\n" + "\n".join(found)
+
+
+# the packages built on vescale-dtensor, each with its own _compat.py
+SIBLINGS = {
+    "vescale-ragged": "vescale.ragged",
+    "vescale-dmodule": "vescale.dmodule",
+    "vescale-optim": "vescale.optim",
+    "vescale-checkpoint": "vescale.checkpoint",
+}
+
+
+def test_every_compat_module_is_a_sibling_record():
+    """One form for every package's _compat.py: its probes live in a record from
+    ``vescale.dtensor.compat.sibling_internals`` (no second ``TorchInternals`` of its
+    own), its public ``check_torch_internals()`` reports that record, and an internal it
+    shares with vescale-dtensor carries vescale-dtensor's status."""
+    import importlib
+
+    from vescale.dtensor import check_torch_internals as dtensor_report
+
+    compat_files = {p.parts[len(ROOT.parts) + 1] for p in ROOT.glob("packages/*/src/**/_compat.py")}
+    assert compat_files == {"vescale-dtensor", *SIBLINGS}
+    base = dtensor_report()
+    for dist_name, module in SIBLINGS.items():
+        compat = importlib.import_module(f"{module}._compat")
+        code = "\n".join(_code_lines(Path(compat.__file__)).values())
+        assert "sibling_internals(" in code, (
+            f"{dist_name}: _compat.py does not use sibling_internals"
+        )
+        assert "TorchInternals(" not in code, (
+            f"{dist_name}: _compat.py builds its own TorchInternals"
+        )
+        report = importlib.import_module(module).check_torch_internals()
+        assert report == compat._INTERNALS.report(), dist_name
+        shared = set(report) & set(base)
+        assert {n: report[n] for n in shared} == {n: base[n] for n in shared}, dist_name

@@ -2,9 +2,11 @@
 
 Probed by feature when imported (see ``vescale.dtensor.compat.TorchInternals``):
 ``torch._foreach_mul_`` (gradient clipping scales every gradient with one kernel per
-device and dtype) and DTensor's local tensor. One that is missing or behaves
-differently is replaced by a public (slower) equivalent, with one
-``TorchInternalsWarning``; `check_torch_internals` reports which.
+device and dtype); DTensor's local tensor is vescale-dtensor's probe, shared. An
+internal that is missing or behaves differently is replaced by a public (slower)
+equivalent, with one ``TorchInternalsWarning`` naming it. `check_torch_internals`
+reports what was found; the test suite compares it with the report recorded for the
+torch under test.
 """
 
 from __future__ import annotations
@@ -13,13 +15,14 @@ from collections.abc import Sequence
 
 import torch
 
-from vescale.dtensor.compat import TorchInternals, dtensor_internals, local_tensor
+from vescale.dtensor.compat import local_tensor, sibling_internals
 
 __all__ = ["check_torch_internals", "foreach_mul_", "local_tensor"]
 
-_INTERNALS = TorchInternals("vescale-optim")
-_INTERNALS.adopt("DTensor._local_tensor", dtensor_internals())
+_INTERNALS = sibling_internals("vescale-optim", shared=("DTensor._local_tensor",))
 
+
+# ------------------------------------------------------------------ foreach multiply
 _FOREACH_MUL = getattr(torch, "_foreach_mul_", None)
 
 
