@@ -336,29 +336,13 @@ def test_side_tensors_travel_and_bad_options():
     grads = dict(ref.named_parameters())
     for n, p in pp.named_parameters():
         torch.testing.assert_close(p.grad, grads[n].grad, atol=1e-6, rtol=1e-5)
-    with pytest.raises(ValueError, match="divide the batch size 4"):
-        pipeline_parallelize(
-            _TwoInputs(), mesh, example_inputs=(x,), loss_fn=F.cross_entropy, microbatches=3
-        )
-    with pytest.raises(ValueError, match="no dim named 'pipe'"):
-        pipeline_parallelize(
-            _TwoInputs(),
-            mesh,
-            example_inputs=(x,),
-            loss_fn=F.cross_entropy,
-            microbatches=2,
-            pp_dim="pipe",
-        )
-    with pytest.raises(ValueError, match="1F1B needs at least as many micro-batches"):
-        pipeline_parallelize(
-            _TwoInputs(), mesh, example_inputs=(x,), loss_fn=F.cross_entropy, microbatches=1
-        )
-    with pytest.raises(ValueError, match="unknown pipeline schedule"):
-        pipeline_parallelize(
-            _TwoInputs(),
-            mesh,
-            example_inputs=(x,),
-            loss_fn=F.cross_entropy,
-            microbatches=2,
-            schedule="zb",
-        )
+    for bad, match in (
+        ({"microbatches": 3}, "divide the batch size 4"),
+        ({"microbatches": 2, "pp_dim": "pipe"}, "no dim named 'pipe'"),
+        ({"microbatches": 1}, "1F1B needs at least as many micro-batches"),
+        ({"microbatches": 2, "schedule": "zb"}, "unknown pipeline schedule"),
+    ):
+        with pytest.raises(ValueError, match=match):
+            pipeline_parallelize(
+                _TwoInputs(), mesh, example_inputs=(x,), loss_fn=F.cross_entropy, **bad
+            )
