@@ -19,8 +19,8 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from vescale.ragged import RaggedShard, _plan_cuts, _plan_pads, _planner
-from vescale.ragged._plan_pads import _never_fits, _next_start, _prev_start
+from vescale.ragged import RaggedShard, _plan_cuts, _plan_order, _plan_pads, _planner
+from vescale.ragged._plan_pads import _is_tight, _never_fits, _next_start, _prev_start
 from vescale.ragged._planner import ParamSpec, plan_flat_buffers
 
 # ---------------------------------------------------------------------- reference
@@ -376,6 +376,99 @@ class _RefEven(_plan_pads._Even):
         return out
 
 
+def _ref_candidate_orders(sizes: list[int], steps: list[int], n: int) -> list[list[int]]:
+    idx = range(len(sizes))
+
+    def unit(i: int) -> int:
+        return steps[i] if _is_tight(sizes[i], steps[i]) else 1
+
+    cands = [list(idx), _ref_bridged_order(sizes, steps, n)]
+    cands.append(sorted(idx, key=lambda i: (unit(i) == 1, -unit(i), -sizes[i], i)))
+    cands.append(sorted(idx, key=lambda i: (-sizes[i], i)))
+    cands.append(sorted(idx, key=lambda i: (unit(i) != 1, -unit(i), -sizes[i], i)))
+    out, seen = ([], set())
+    for perm in cands:
+        if perm is None:
+            continue
+        key = tuple((sizes[i], steps[i]) for i in perm)
+        if key not in seen:
+            seen.add(key)
+            out.append(perm)
+    return out
+
+
+def _ref_bridged_order(sizes: list[int], steps: list[int], n: int) -> list[int] | None:
+    tight = [_is_tight(l, g) for l, g in zip(sizes, steps)]
+    fine = sorted((i for i, l in enumerate(sizes) if l and (not tight[i])), key=lambda i: -sizes[i])
+    coarse = sorted((i for i in range(len(sizes)) if tight[i]), key=lambda i: -sizes[i])
+    if not fine or not coarse or n < 2:
+        return None
+    zero = [i for i, l in enumerate(sizes) if l == 0]
+    share = -(-sum(sizes) // n)
+    forced = math.lcm(1, *(steps[i] for i in coarse if sizes[i] > 2 * share))
+    share = -(-share // forced) * forced
+    order: list[int] = []
+    pos = 0
+    r = 1
+
+    def take_fine(room: int) -> None:
+        nonlocal pos
+        k = 0
+        while k < len(fine) and room > 0:
+            if sizes[fine[k]] <= room:
+                i = fine.pop(k)
+                order.append(i)
+                pos += sizes[i]
+                room -= sizes[i]
+            else:
+                k += 1
+
+    while coarse:
+        target = r * share
+        if r >= n:
+            order.extend(coarse)
+            coarse.clear()
+            break
+        long = sizes[coarse[0]] > share
+        fit = (
+            None
+            if long
+            else next((k for k, i in enumerate(coarse) if pos + sizes[i] <= target), None)
+        )
+        if fit is not None:
+            i = coarse.pop(fit)
+            order.append(i)
+            pos += sizes[i]
+        else:
+            gap = target - pos
+            if not long and sum(sizes[i] for i in fine) > gap:
+                take_fine(gap)
+                if pos < target and fine:
+                    i = fine.pop()
+                    order.append(i)
+                    pos += sizes[i]
+            else:
+                i = coarse.pop(0)
+                shift = gap % steps[i]
+                acc, chosen = (0, [])
+                for f in fine:
+                    if acc + sizes[f] <= shift:
+                        acc += sizes[f]
+                        chosen.append(f)
+                if acc == shift:
+                    for f in chosen:
+                        fine.remove(f)
+                        order.append(f)
+                        pos += sizes[f]
+                order.append(i)
+                pos += sizes[i]
+        while r < n and r * share <= pos:
+            r += 1
+    order.extend(fine)
+    order.extend(zero)
+    return order
+
+
 # ---------------------------------------------------------------------- strategies
 def _grids(max_len: int = 12):
     """Sizes and units: fine and coarse parameters, some longer than many slices."""
@@ -564,3 +657,12 @@ def test_slot_placements_are_the_validated_ones(n, weights):
                 assert (slot.first_rank, slot.last_rank) == (
                     (nonzero[0], nonzero[-1]) if nonzero else (slot.first_rank,) * 2
                 )
+
+
+# ---------------------------------------------------------------------- order search
+@settings(max_examples=400, deadline=None, database=None)
+@given(layout=_grids(40), n=RANKS)
+def test_candidate_orders_match_the_reference(layout, n):
+    sizes, steps = layout
+    assert _plan_order._bridged_order(sizes, steps, n) == _ref_bridged_order(sizes, steps, n)
+    assert _plan_order._candidate_orders(sizes, steps, n) == _ref_candidate_orders(sizes, steps, n)

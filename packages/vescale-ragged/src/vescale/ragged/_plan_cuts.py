@@ -9,6 +9,7 @@ from __future__ import annotations
 import bisect
 import itertools
 import math
+import operator
 from bisect import bisect_right
 
 
@@ -385,7 +386,8 @@ def _usable(grid: _Grid, cuts: list[int], s: int) -> bool:
 
 
 def _spread(cuts: list[int]) -> tuple[float, int]:
-    loads = [b - a for a, b in itertools.pairwise(cuts)]
+    """``(max / min, max - min)`` of the slice loads ``cuts[r + 1] - cuts[r]``."""
+    loads = list(map(operator.sub, cuts[1:], cuts))
     lo, hi = min(loads), max(loads)
     return (math.inf if lo == 0 else hi / lo), hi - lo
 

@@ -5,6 +5,7 @@ See `vescale.ragged._planner` for the layout rules.
 
 from __future__ import annotations
 
+import bisect
 import math
 
 from vescale.ragged._plan_pads import _is_tight
@@ -20,20 +21,19 @@ def _candidate_orders(sizes: list[int], steps: list[int], n: int) -> list[list[i
     sequence of (size, unit) (so the same layout) are tried once.
     """
     idx = range(len(sizes))
-
-    def unit(i: int) -> int:
-        return steps[i] if _is_tight(sizes[i], steps[i]) else 1
+    unit = [g if _is_tight(l, g) else 1 for l, g in zip(sizes, steps)]
+    pairs = list(zip(sizes, steps))
 
     cands = [list(idx), _bridged_order(sizes, steps, n)]
-    cands.append(sorted(idx, key=lambda i: (unit(i) == 1, -unit(i), -sizes[i], i)))
+    cands.append(sorted(idx, key=lambda i: (unit[i] == 1, -unit[i], -sizes[i], i)))
     cands.append(sorted(idx, key=lambda i: (-sizes[i], i)))
-    cands.append(sorted(idx, key=lambda i: (unit(i) != 1, -unit(i), -sizes[i], i)))
+    cands.append(sorted(idx, key=lambda i: (unit[i] != 1, -unit[i], -sizes[i], i)))
     # the layout depends only on the sequence of (size, unit): plan each sequence once
     out, seen = [], set()
     for perm in cands:
         if perm is None:
             continue
-        key = tuple((sizes[i], steps[i]) for i in perm)
+        key = tuple(map(pairs.__getitem__, perm))
         if key not in seen:
             seen.add(key)
             out.append(perm)
@@ -65,20 +65,25 @@ def _bridged_order(sizes: list[int], steps: list[int], n: int) -> list[int] | No
     pos = 0
     r = 1
     fine_left = sum(sizes[i] for i in fine)  # elements of the fine parameters not placed
+    # negated sizes, parallel to fine / coarse (ascending): the first one that fits a gap
+    # is a bisection away
+    fine_neg = [-sizes[i] for i in fine]
+    coarse_neg = [-sizes[i] for i in coarse]
 
     def take_fine(room: int) -> None:
         """Largest-first fine parameters that fit in ``room`` (in place)."""
         nonlocal pos, fine_left
         k = 0
-        while k < len(fine) and room > 0:
-            if sizes[fine[k]] <= room:
-                i = fine.pop(k)
-                order.append(i)
-                pos += sizes[i]
-                fine_left -= sizes[i]
-                room -= sizes[i]
-            else:
-                k += 1
+        while room > 0:
+            k = bisect.bisect_left(fine_neg, -room, k)  # the next one that fits
+            if k == len(fine):
+                break
+            i = fine.pop(k)
+            fine_neg.pop(k)
+            order.append(i)
+            pos += sizes[i]
+            fine_left -= sizes[i]
+            room -= sizes[i]
 
     while coarse:
         target = r * share
@@ -87,13 +92,10 @@ def _bridged_order(sizes: list[int], steps: list[int], n: int) -> list[int] | No
             coarse.clear()
             break
         long = sizes[coarse[0]] > share  # long parameters go first: they hold cuts anyway
-        fit = (
-            None
-            if long
-            else next((k for k, i in enumerate(coarse) if pos + sizes[i] <= target), None)
-        )
-        if fit is not None:
+        fit = None if long else bisect.bisect_left(coarse_neg, pos - target)
+        if fit is not None and fit < len(coarse):  # the largest that fits before the target
             i = coarse.pop(fit)
+            coarse_neg.pop(fit)
             order.append(i)
             pos += sizes[i]
         else:
@@ -102,11 +104,13 @@ def _bridged_order(sizes: list[int], steps: list[int], n: int) -> list[int] | No
                 take_fine(gap)
                 if pos < target and fine:  # the smallest fine one straddles the target
                     i = fine.pop()
+                    fine_neg.pop()
                     order.append(i)
                     pos += sizes[i]
                     fine_left -= sizes[i]
             else:
                 i = coarse.pop(0)
+                coarse_neg.pop(0)
                 shift = gap % steps[i]
                 acc, chosen = 0, []  # fine parameters that cover the shift exactly
                 for f in fine:
@@ -115,6 +119,7 @@ def _bridged_order(sizes: list[int], steps: list[int], n: int) -> list[int] | No
                         chosen.append(f)
                 if acc == shift:
                     for f in chosen:
+                        del fine_neg[fine.index(f)]
                         fine.remove(f)
                         order.append(f)
                         pos += sizes[f]
