@@ -65,14 +65,16 @@ def _build(kind, attn="eager"):
 
 
 def run_hf(kind, sp, steps=3, attn="eager", mesh_shape=(2,), plan=None, dp=None):
-    """``dp``: ``"ddp"``/``"fsdp"`` on the mesh's "dp" dim, each dp rank training on its
-    own half of the batch (the reference: the whole batch on one device)."""
+    """``dp``: ``"ddp"``/``"fsdp"`` on the mesh's "dp" dim, or ``"optimizer"``: no
+    ``data_parallel=``, `vescale.optim.DistributedOptimizer` averages the gradients over
+    "dp"; each dp rank trains on its own half of the batch (the reference: the whole
+    batch on one device)."""
     names = ("dp", "tp") if len(mesh_shape) == 2 else ("tp",)
     mesh = init_device_mesh("cpu", mesh_shape, mesh_dim_names=names)
     torch.manual_seed(0)
     model = _build(kind, attn).eval()  # eval: no dropout; grads still flow
     ref = copy.deepcopy(model)
-    extra = {"data_parallel": {"dp": dp}} if dp else {}
+    extra = {"data_parallel": {"dp": dp}} if dp in ("ddp", "fsdp") else {}
     parallelize_module(
         model, mesh, plan(mesh.ndim) if plan else None, sequence_parallel=sp, **extra
     )
@@ -96,7 +98,17 @@ def run_hf(kind, sp, steps=3, attn="eager", mesh_shape=(2,), plan=None, dp=None)
     # AdamW's first step (g / sqrt(g^2)) turns that into a full lr-sized difference on a
     # ~1e-9 gradient element unless eps is above such elements
     eps = 1e-6 if dp else 1e-8
-    opt = torch.optim.AdamW(model.parameters(), lr=1e-2, eps=eps)
+    if dp == "optimizer":
+        from vescale.optim import DistributedOptimizer
+
+        # the parameters stay on the whole mesh, Replicate() on "dp"
+        assert all(p.device_mesh == mesh and p.placements[0].is_replicate()
+                   for p in model.parameters())  # fmt: skip
+        opt = DistributedOptimizer(
+            model, torch.optim.AdamW, mesh=mesh, dp_dim="dp", lr=1e-2, eps=eps
+        )
+    else:
+        opt = torch.optim.AdamW(model.parameters(), lr=1e-2, eps=eps)
     ref_opt = torch.optim.AdamW(ref.parameters(), lr=1e-2, eps=eps)
     params = dict(model.named_parameters())
     for step in range(steps):
@@ -117,7 +129,7 @@ def run_hf(kind, sp, steps=3, attn="eager", mesh_shape=(2,), plan=None, dp=None)
         loss.backward()
         ref_loss.backward()
         for name, p in ref.named_parameters():
-            if p.grad is None:
+            if p.grad is None or dp == "optimizer":  # each rank's own, reduced in step()
                 continue
             torch.testing.assert_close(
                 params[name].grad.full_tensor(),
@@ -175,12 +187,16 @@ def test_hf_tp4(kind):
         pytest.param("gpt2", True, None, marks=GAP_211),
         ("llama", False, "fsdp"),
         ("llama", True, "ddp"),
+        ("llama", False, "optimizer"),
+        ("llama", True, "optimizer"),
     ],
 )
 @distributed(4)
 def test_hf_dp2_x_tp2(kind, sp, dp):
     # With data parallelism each dp rank holds other samples: tensor parallelism then
     # computes on the tp sub-mesh (LLaMA's gradients used to mix the dp ranks' samples).
+    # "optimizer": the documented DistributedOptimizer x TP program (no data_parallel=):
+    # "dp" is a replica dim of the plan, so TP computes on the tp sub-mesh too.
     run_hf(kind, sp=sp, mesh_shape=(2, 2), dp=dp)
 
 

@@ -17,6 +17,10 @@ the checkpoint's ``context_fn`` recreates what the original forward had:
   unshard and swap in, without recording the forward order, prefetching,
   resharding, registering pre-backward hooks or wrapping inputs for post-backward.
 * DDP: nothing (its parameters are plain tensors or the plan's DTensors).
+* ``parallelize_module`` computing on the mesh without its replica dims
+  (`vescale.dmodule._replica`): the submodule's own parameters and buffers are
+  presented on the compute mesh again (the hooks that do it in the forward sit
+  outside the checkpointed region).
 * ``parallelize_module``'s implicit replication: the flag is set again, and plain
   tensors that the region saves for backward (causal masks, indices) are stored as
   replicated DTensors, in the original forward and in the recomputation alike (the
@@ -205,4 +209,8 @@ def _recompute_context(root: nn.Module, module: nn.Module) -> Iterator[None]:
             stack.enter_context(_store_replicated(ir))
         for engine in _engines(root):
             stack.enter_context(engine.recompute_context(module))
+        state = module_state(root)
+        replica = None if state is None or state.dmodule is None else state.dmodule.replica
+        if replica is not None:  # the module's own tensors as its forward saw them
+            stack.enter_context(replica.recompute_context(module))
         yield

@@ -23,6 +23,7 @@ from vescale.dmodule._hooks import (
     refuse_compile_hook,
 )
 from vescale.dmodule._module_state import module_state
+from vescale.dmodule._replica import ReplicaCompute, replica_dims
 from vescale.dmodule._torch_styles import has_torch_styles, translate_torch_plan
 from vescale.dtensor import distribute_tensor, get_plugin_manager, register_plugin
 
@@ -58,6 +59,9 @@ class _State:
     # where the tensor-parallel computation runs: ``mesh``, or under data parallelism
     # ``mesh`` without the data-parallel dims
     compute_mesh: DeviceMesh | None = None
+    # without data parallelism: the hooks presenting the parameters (on ``mesh``) on
+    # ``compute_mesh``, ``mesh`` without its replica dims (see ``_replica``)
+    replica: ReplicaCompute | None = None
 
 
 class DModule:
@@ -276,6 +280,14 @@ def parallelize_module(
     Plain tensors given to a planned input are taken as the same full value on
     every rank (``Replicate()``) and redistributed.
 
+    A mesh dim on which the plan (parameters, buffers, forward entries, ``factory``)
+    places only ``Replicate()`` while another dim is tensor parallel is a *replica*
+    dim. Without ``data_parallel=``, the parameters live on ``device_mesh``
+    (``Replicate()`` on it) but the forward computes on the mesh without the replica
+    dims: each rank of such a dim may feed its own samples (data parallelism by
+    ``vescale.optim.DistributedOptimizer`` or by the program), its gradients are then
+    those of its own samples, and module outputs are DTensors on that sub-mesh.
+
     Args:
         model: The module to parallelize (parameters as plain tensors).
         device_mesh: The device mesh.
@@ -410,6 +422,15 @@ def parallelize_module(
         from vescale.dmodule._factory import parse_factory
 
         parse_factory(opts["factory"], device_mesh)  # bad options fail before any communication
+    # Without data parallelism, a mesh dim the plan only replicates over is a replica dim:
+    # its ranks may hold other samples (e.g. data parallelism by DistributedOptimizer),
+    # so the model computes on the mesh without it, for the same reason as above; the
+    # parameters stay on the whole mesh (see _replica).
+    replica: set[int] = set()
+    if not dp_specs and _has_tensor_parallelism(resolved):
+        replica = replica_dims(resolved, device_mesh, opts["factory"])
+        if replica:
+            tp_resolved = _drop_dims_from_plan(resolved, replica, device_mesh)
     ac = opts["activation_checkpointing"]
     fsdp_groups = any(m == "fsdp" and "groups" in kw for _, m, kw in dp_specs)
     if ac is not None and ac is not False and not (ac is True and fsdp_groups):
@@ -437,16 +458,23 @@ def parallelize_module(
 
     # ---- from here on: communication (parameter distribution), no more validation.
     if tp_resolved is not resolved:
-        mesh = _mesh_without(device_mesh, dp_dims)
-    _materialize_meta(model, tp_resolved, mesh, opts["param_init_fn"])
-    new_params = _place_params(model, mesh, tp_resolved, opts["src_data_rank"], dp_dims)
+        mesh = _mesh_without(device_mesh, dp_dims | replica)
+    # where the parameters live: the compute mesh, or the whole mesh with replica dims
+    param_mesh, param_plan = (device_mesh, resolved) if replica else (mesh, tp_resolved)
+    _materialize_meta(model, param_plan, param_mesh, opts["param_init_fn"])
+    new_params = _place_params(model, param_mesh, param_plan, opts["src_data_rank"], dp_dims)
     factory = opts["factory"]
     if mesh is not device_mesh and factory not in (False, None):
-        factory = _drop_factory_dims(factory, dp_dims, device_mesh)
+        factory = _drop_factory_dims(factory, dp_dims | replica, device_mesh)
     handles, ir = _install_hooks(model, mesh, tp_resolved, opts, factory)
-    sync = PartialGradSync(new_params, mesh, auto=bool(opts["grad_sync"]))
+    rc = None
+    if replica and mesh is not device_mesh:
+        rc = ReplicaCompute(device_mesh, mesh, replica)
+        handles += rc.install(model)  # last: its pre-hooks run first, post-hooks last
+    sync = PartialGradSync(new_params, param_mesh, auto=bool(opts["grad_sync"]))
     state = _State(device_mesh, plan, resolved, opts, sync, handles, implicit=ir)
     state.compute_mesh = mesh
+    state.replica = rc
     module_state(model, create=True).dmodule = state
     model.__class__ = _dmodule_class(type(model))
     _apply_data_parallel(model, device_mesh, dp_specs)
@@ -551,7 +579,10 @@ def compute_without_dp_dims(model: nn.Module, mesh: DeviceMesh, dp_dims: tuple[i
     that claim ``Replicate()`` over that dim. The parameters (``Replicate()`` there) keep
     their local tensors, re-wrapped on the sub-mesh; the forward hooks are installed
     again on it. No communication besides building the sub-mesh; a no-op for modules
-    that were not parallelized on ``mesh`` or already compute on a sub-mesh.
+    that were not parallelized on ``mesh`` or already compute on a sub-mesh. A module
+    whose parameters live on ``mesh`` but compute on the mesh without its replica dims
+    (see ``_replica``) moves its parameters to the mesh without ``dp_dims`` and computes
+    there (replica dims other than ``dp_dims`` then stay in the compute mesh).
 
     Raises:
         ValueError: The plan places a module input or output other than
@@ -559,7 +590,7 @@ def compute_without_dp_dims(model: nn.Module, mesh: DeviceMesh, dp_dims: tuple[i
     """
     ms = module_state(model)
     state: _State | None = None if ms is None else ms.dmodule
-    if state is None or state.compute_mesh is not state.mesh:
+    if state is None or (state.compute_mesh is not state.mesh and state.replica is None):
         return
     same = state.mesh.device_type == mesh.device_type and torch.equal(state.mesh.mesh, mesh.mesh)
     if not same or not _has_tensor_parallelism(state.resolved):
@@ -579,6 +610,7 @@ def compute_without_dp_dims(model: nn.Module, mesh: DeviceMesh, dp_dims: tuple[i
     state.handles, state.implicit = _install_hooks(model, sub, tp_resolved, state.options, factory)
     state.grad_sync = PartialGradSync(new_params, sub, auto=bool(state.options["grad_sync"]))
     state.compute_mesh = sub
+    state.replica = None
 
 
 def _mesh_without(mesh: DeviceMesh, dims: set[int]) -> DeviceMesh:
@@ -859,7 +891,14 @@ def dump_plan(model: nn.Module) -> str:
     if state is None:
         raise ValueError(f"{type(model).__qualname__} was not parallelized by parallelize_module")
     modules = dict(model.named_modules(remove_duplicate=False))
-    lines = [f"mesh: {_plan._mesh_desc(state.mesh)}", "parameters and buffers:"]
+    lines = [f"mesh: {_plan._mesh_desc(state.mesh)}"]
+    if state.replica is not None:
+        dims = ", ".join(repr(_dim_name(state.mesh, d)) for d in sorted(state.replica.dims))
+        lines.append(
+            f"compute mesh: {_plan._mesh_desc(state.compute_mesh)} (replica dims {dims}: "
+            "only Replicate() planned there; activations and outputs live on the compute mesh)"
+        )
+    lines.append("parameters and buffers:")
     for e in state.resolved.params:
         mod_name, _, attr = e.names[0].rpartition(".")
         table = "_parameters" if e.kind == "parameter" else "_buffers"
