@@ -409,6 +409,12 @@ def parallelize_module(
 
     _check_meta_init(model, opts["param_init_fn"])
     _check_dp_against_plan(dp_specs, resolved, device_mesh)
+    if dp_specs:
+        from vescale.dmodule._dp_common import check_src_rank
+
+        check_src_rank(
+            opts["src_data_rank"], device_mesh, [d for d, _, _ in dp_specs], "parallelize_module"
+        )
     # Tensor parallelism under data parallelism computes on the mesh without the
     # data-parallel dims: the ranks of a dp dim hold different samples, so activations
     # (and the compute parameters) must not claim Replicate() over them, or DTensor's
@@ -437,7 +443,11 @@ def parallelize_module(
         from vescale.dmodule._activation_checkpoint import resolve_checkpoint_modules
 
         resolve_checkpoint_modules(model, ac)  # bad selections fail before any communication
-    if opts["src_data_rank"] is not None and _has_meta(model):
+    # the data-parallel engines take the src rank's values (DDP: a broadcast, FSDP: a
+    # scatter of each flat buffer); a meta model's ranks initialise the same values
+    has_meta = _has_meta(model)
+    dp_src = None if has_meta else opts["src_data_rank"]
+    if opts["src_data_rank"] is not None and has_meta:
         # Meta tensors are initialised in full on every rank, which keeps its own shards:
         # every rank draws from the src rank's generators, so replicas agree (and equal
         # that rank's eager construction) however the ranks were seeded.
@@ -452,7 +462,7 @@ def parallelize_module(
         )
         module_state(model, create=True).dmodule = state
         model.__class__ = _dmodule_class(type(model))
-        _apply_data_parallel(model, device_mesh, dp_specs)
+        _apply_data_parallel(model, device_mesh, dp_specs, dp_src)
         _apply_checkpointing(model, state, ac)
         return model
 
@@ -477,7 +487,7 @@ def parallelize_module(
     state.replica = rc
     module_state(model, create=True).dmodule = state
     model.__class__ = _dmodule_class(type(model))
-    _apply_data_parallel(model, device_mesh, dp_specs)
+    _apply_data_parallel(model, device_mesh, dp_specs, dp_src)
     _apply_checkpointing(model, state, ac)
     return model
 
@@ -848,19 +858,33 @@ def _check_dp_against_plan(dp_specs: list, resolved: Any, mesh: DeviceMesh) -> N
                 )
 
 
-def _apply_data_parallel(model: nn.Module, mesh: DeviceMesh, dp_specs: list) -> None:
+def _apply_data_parallel(
+    model: nn.Module, mesh: DeviceMesh, dp_specs: list, src: int | None
+) -> None:
+    """Wrap ``model`` in the DDP/FSDP engines of ``dp_specs``.
+
+    ``src``: the rank (coordinate on every data-parallel dim) whose parameter and
+    buffer values every rank takes; ``None``: each rank keeps its own (no
+    communication). An engine option given in ``data_parallel=`` wins.
+    """
     from vescale.dmodule._ddp import replicate
+    from vescale.dmodule._dp_common import broadcast_buffers
     from vescale.dmodule._fsdp import fully_shard
 
+    if not dp_specs:
+        return
     if len(dp_specs) == 2:  # HSDP: (ddp dim, fsdp dim)
         (rep_dim, _, _), (shard_dim, _, kwargs) = dp_specs
+        kwargs = {"src_data_rank": src, **kwargs}
         fully_shard(model, mesh, shard_dim, replicate_dim=rep_dim, **kwargs)
-        return
-    for dim, mode, kwargs in dp_specs:
-        if mode == "ddp":
-            replicate(model, mesh, dim, **kwargs)
-        else:
-            fully_shard(model, mesh, dim, **kwargs)
+    else:
+        for dim, mode, kwargs in dp_specs:
+            if mode == "ddp":
+                replicate(model, mesh, dim, **{"broadcast_from": src, **kwargs})
+            else:
+                fully_shard(model, mesh, dim, **{"src_data_rank": src, **kwargs})
+    if src is not None:
+        broadcast_buffers(model, mesh, [d for d, _, _ in dp_specs], src)
 
 
 def _fmt(placements) -> str:

@@ -31,6 +31,8 @@ __all__ = [
     "cast_floating",
     "check_not_wrapped",
     "check_one_device",
+    "check_src_rank",
+    "broadcast_buffers",
     "param_paths",
     "swap_param",
     "dp_memory_bytes",
@@ -223,6 +225,42 @@ def check_dp_replicated(
                 f"{sorted(shapes)} on different ranks; FSDP over tensor parallelism needs even "
                 "tensor-parallel shards"
             )
+
+
+def check_src_rank(src: int | None, mesh: DeviceMesh, dims: Iterable[int], what: str) -> None:
+    """``src`` is ``None`` or a coordinate of every mesh dim in ``dims`` (no collective)."""
+    if src is None:
+        return
+    sizes = {d: mesh.size(d) for d in dims}
+    if (
+        isinstance(src, bool)
+        or not isinstance(src, int)
+        or not all(0 <= src < n for n in sizes.values())
+    ):
+        names = [mesh.mesh_dim_names[d] if mesh.mesh_dim_names else d for d in sizes]
+        raise ValueError(
+            f"{what}: src_data_rank={src!r} is not a rank of the data-parallel mesh dims "
+            f"{names} (sizes {list(sizes.values())}); use 0 <= src_data_rank < "
+            f"{min(sizes.values(), default=1)} or None"
+        )
+
+
+def broadcast_buffers(module: nn.Module, mesh: DeviceMesh, dims: Iterable[int], src: int) -> None:
+    """Every rank's buffers take the values of coordinate ``src`` on the mesh ``dims``.
+
+    One broadcast per buffer and dim (of a DTensor buffer: its local tensor, which is
+    ``Replicate()`` over ``dims``); buffers are usually few and small.
+    """
+    import torch.distributed as dist
+
+    bufs = [local_tensor(b) for _, b in module.named_buffers()]
+    for d in dims:
+        if mesh.size(d) > 1:
+            for b in bufs:
+                t = b if b.is_contiguous() else b.contiguous()
+                dist.broadcast(t, group=mesh.get_group(d), group_src=src)
+                if t is not b:
+                    b.copy_(t)
 
 
 def check_one_device(

@@ -23,6 +23,7 @@ from vescale.dmodule._dp_common import (
     MixedPrecision,
     check_dp_replicated,
     check_one_device,
+    check_src_rank,
     resolve_mixed_precision,
     select_submodules,
 )
@@ -175,6 +176,7 @@ def fully_shard(
     find_unused_parameters: bool = True,
     ignored_params: Any | None = None,
     shard_placement_fn: Callable | None = None,
+    src_data_rank: int | None = None,
 ) -> nn.Module:
     """Shard ``module``'s parameters over the mesh dim ``dp_dim`` (FSDP), in place.
 
@@ -189,7 +191,9 @@ def fully_shard(
 
     Args:
         module: The module; its parameters must be on one device of the mesh's type,
-            with the same values on every rank of the dp dim: plain tensors, or
+            and, with ``src_data_rank=None``, hold the same values on every rank of
+            the dp dims (each rank keeps its own slice of its own values; ranks
+            seeded differently then hold a mixture of their models): plain tensors, or
             DTensors on ``mesh`` that are ``Replicate()`` on ``dp_dim`` (tensor
             parallelism, e.g. from ``parallelize_module``) with evenly sized local
             shards.
@@ -246,6 +250,14 @@ def fully_shard(
             reduced), as in FSDP2.
         shard_placement_fn: FSDP2's per-parameter ``Shard`` placements; only
             ``None`` (every group is one ``RaggedShard`` flat buffer).
+        src_data_rank: ``None`` (the default, as FSDP2): no communication, each
+            rank's shard is cut from its own values. An int: the coordinate, on
+            ``dp_dim`` (and ``replicate_dim``), of the rank whose values every rank
+            takes: that rank scatters each flat buffer, every rank receiving only its
+            slice (about ``P`` bytes sent by the source, ``P/N`` received by each
+            rank; HSDP adds one broadcast of each slice over ``replicate_dim``).
+            ``parallelize_module(..., data_parallel=...)`` passes its own
+            ``src_data_rank`` (default 0).
 
     Returns:
         ``module`` itself, its class swapped for a subclass of
@@ -262,7 +274,8 @@ def fully_shard(
             name that matches nothing, a DTensor parameter on another mesh, not
             ``Replicate()`` on ``dp_dim``, ``Partial``, or with local shards of
             different shapes on different ranks (uneven tensor-parallel sharding),
-            naming the parameter. All before any collective.
+            naming the parameter, a ``src_data_rank`` that is not a coordinate of the
+            dp dims. All before any collective.
         TypeError: A malformed ``mp_policy``/``offload_policy``/``reshard_after_forward``.
         NotImplementedError: ``shard_placement_fn``, or an int
             ``reshard_after_forward`` other than 1 and the dp size.
@@ -292,6 +305,7 @@ def fully_shard(
             f"{what}: replicate_dim {replicate_dim!r} is the sharded dim {dp_dim!r}; HSDP "
             "needs two different mesh dims"
         )
+    check_src_rank(src_data_rank, mesh, (dim,) if rep_dim is None else (rep_dim, dim), what)
     reshard = _resolve_reshard(reshard_after_forward, mesh.size(dim), what)
     mp = resolve_mixed_precision(mixed_precision, mp_policy, what)
     children = _child_engines(module, mesh, dim, rep_dim, what)
@@ -353,6 +367,7 @@ def fully_shard(
         pin_memory=pin,
         adopt=children,
         ignored=ignored,
+        src_data_rank=src_data_rank,
     )
     module_state(module, create=True).dp_engine = engine
     for e in children:  # the submodules' controls now reach the engine that runs them

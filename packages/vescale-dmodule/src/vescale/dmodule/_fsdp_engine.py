@@ -167,6 +167,7 @@ class FSDPEngine(DataParallelEngine):
         pin_memory: bool = False,
         adopt: Sequence[FSDPEngine] = (),
         ignored: frozenset[int] = frozenset(),
+        src_data_rank: int | None = None,
     ) -> None:
         super().__init__(module, mesh, dp_dim)
         # HSDP: the sharded gradients are also averaged over this mesh dim
@@ -200,6 +201,7 @@ class FSDPEngine(DataParallelEngine):
             granularity=granularity,
             offload_device=offload_device,
             pin_memory=pin_memory,
+            src_data_rank=src_data_rank,
         )
         self._adopt_groups(adopt)
         self._register_hooks()
@@ -214,8 +216,14 @@ class FSDPEngine(DataParallelEngine):
         granularity,
         offload_device: torch.device | None,
         pin_memory: bool,
+        src_data_rank: int | None = None,
     ) -> None:
-        """Shard this call's parameters into groups and register the sharded ones."""
+        """Shard this call's parameters into groups and register the sharded ones.
+
+        ``src_data_rank``: ``None``, each rank cuts its shards from its own values;
+        else every rank's shards are the values of the rank at that coordinate of the
+        data-parallel dims (one scatter per flat buffer).
+        """
         module, mesh, dp_dim, device = self.module, self.mesh, self.dp_dim, self.device
         paths = param_paths(module)
         # parameters already sharded by the engines adopted here (fully_shard called on
@@ -256,6 +264,7 @@ class FSDPEngine(DataParallelEngine):
                 device=device,
                 offload_device=offload_device,
                 pin_memory=pin_memory,
+                src=src_data_rank,
             )
             g = Group(
                 len(self.groups),

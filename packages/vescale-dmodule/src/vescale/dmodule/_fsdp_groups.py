@@ -15,6 +15,7 @@ import weakref
 from typing import Any
 
 import torch
+import torch.distributed as dist
 from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor, Replicate
@@ -30,6 +31,7 @@ __all__ = [
     "alloc_storage",
     "assign_groups",
     "build_buffers",
+    "scatter_from_source",
     "default_groups",
     "free_storage",
 ]
@@ -196,10 +198,13 @@ def build_buffers(
     device: torch.device,
     offload_device: torch.device | None,
     pin_memory: bool,
+    src: int | None = None,
 ) -> list[Buf]:
     """Lay one group's parameters out and make its `Buf` objects.
 
-    The rank's shard of every parameter is copied into the buffers' slices; the
+    The rank's shard of every parameter is copied into the buffers' slices (``src``
+    ``None``: cut from this rank's own values; else the values of the rank at
+    coordinate ``src`` on the data-parallel dims, see `scatter_from_source`); the
     unsharded buffers are made with their storage freed.
     """
     from vescale.ragged import FlatBuffer, layouts_from_tensors
@@ -240,7 +245,11 @@ def build_buffers(
         else:
             fb = FlatBuffer(layout, placing.mesh, placing.dp_dim, device=device)
         with torch.no_grad():
-            fb.load_full({n: local_tensor(by_name[n]).detach() for n in layout.names})
+            own = {n: local_tensor(by_name[n]).detach() for n in layout.names}
+            if src is None:
+                fb.load_full(own)
+            else:
+                scatter_from_source(fb, own, placing, src, device)
         compute = (
             mp.param_dtype if (mp.param_dtype is not None and dtype.is_floating_point) else dtype
         )
@@ -308,6 +317,52 @@ def build_buffers(
             )
         )
     return bufs
+
+
+def scatter_from_source(
+    fb: Any,
+    tensors: dict[str, torch.Tensor],
+    placing: Placing,
+    src: int,
+    device: torch.device,
+) -> None:
+    """Fill ``fb``'s shard with the source rank's values.
+
+    The rank at coordinate ``src`` of the sharded dim (on HSDP's replicate dim: of the
+    replicas at coordinate ``src``) lays its own ``tensors`` into one unsharded flat
+    buffer and scatters it, each rank receiving only its slice (one ``scatter``, the
+    slices padded to the longest for uneven layouts); HSDP then broadcasts each slice
+    from replica ``src`` over the replicate dim. The source sends about the buffer's
+    bytes once, every other rank receives its ``1/N``: a broadcast of the full model
+    would send ``N`` times as much.
+    """
+    layout = fb.layout
+    sizes = [b - a for a, b in layout.rank_ranges]
+    longest = max(sizes)
+    me = placing.rank
+    mesh = placing.mesh
+    rep = placing.replicate_dim
+    recv = torch.empty(longest, dtype=layout.dtype, device=device)
+    if rep is None or mesh.get_local_rank(rep) == src:
+        chunks = None
+        if me == src:
+            full = torch.zeros(layout.numel, dtype=layout.dtype, device=device)
+            for name, view in fb.full_views(full).items():
+                view.copy_(tensors[name].reshape(view.shape))
+            if all(n == longest for n in sizes):
+                chunks = list(full.split(longest))  # the slices, in order (no copy)
+            else:
+                staged = torch.zeros(longest * len(sizes), dtype=layout.dtype, device=device)
+                for q, (a, b) in enumerate(layout.rank_ranges):
+                    staged[q * longest : q * longest + b - a].copy_(full[a:b])
+                chunks = list(staged.split(longest))
+        if len(sizes) == 1:
+            recv.copy_(chunks[0])
+        else:
+            dist.scatter(recv, chunks, group=mesh.get_group(placing.dp_dim), group_src=src)
+    if rep is not None and mesh.size(rep) > 1:
+        dist.broadcast(recv, group=mesh.get_group(rep), group_src=src)
+    fb.local.copy_(recv[: sizes[me]])
 
 
 def assign_groups(group_modules, paths, params) -> dict[int, int]:
