@@ -33,6 +33,11 @@ if not hasattr(M, "TinyGPT"):
 # parameter difference after a step
 ADAMW = {"lr": 0.02, "betas": (0.9, 0.95), "weight_decay": 0.1, "eps": 1e-6}
 TOL = {"rtol": 1e-5, "atol": 1e-5}
+# Parameters after AdamW steps: AdamW divides each gradient by its running RMS (+ eps 1e-6),
+# so an element whose gradient is near zero turns the fp32 rounding of a sum added in
+# another order (TP shards, dp averages) into an update difference of up to lr * 1e-3.
+# Measured: one element of 1,024 at 1.03e-5 on one machine, within 1e-5 on another.
+PARAM_TOL = {"rtol": 1e-5, "atol": 3e-5}
 
 
 def _batches(n: int = 2):
@@ -105,7 +110,7 @@ def test_nanogpt_plan_4d_equals_single_device(use_do):
     torch.testing.assert_close(torch.tensor(losses), torch.tensor(ref_losses), **TOL)
     for (name, p), (_, q) in zip(model.named_parameters(), ref.named_parameters()):
         torch.testing.assert_close(
-            p.full_tensor(), q.detach(), **TOL, msg=lambda m, name=name: f"{name}: {m}"
+            p.full_tensor(), q.detach(), **PARAM_TOL, msg=lambda m, name=name: f"{name}: {m}"
         )
 
 
