@@ -18,7 +18,7 @@ import torch
 import torch.distributed as dist
 import torch.nn.functional as F
 
-from vescale.dmodule import DModule, parallelize_module
+from vescale.dmodule import DModule, parallelize_module, pipeline_parallelize
 from vescale.dmodule.testing import GPT, GPTConfig
 from vescale.dtensor import DTensor, init_device_mesh
 from vescale.dtensor.debug import CommDebugMode
@@ -38,8 +38,10 @@ MODES = {
 }
 
 
-def _cfg() -> GPTConfig:
-    return GPTConfig(vocab_size=64, block_size=8, n_layer=2, n_head=4, n_embd=16)
+def _cfg(tie: bool = True) -> GPTConfig:
+    return GPTConfig(
+        vocab_size=64, block_size=8, n_layer=2, n_head=4, n_embd=16, tie_embeddings=tie
+    )
 
 
 def _source_model(model: torch.nn.Module, src: int) -> torch.nn.Module:
@@ -120,12 +122,13 @@ def _body(mode: str, src: int | None, entry: str, src_global: int = 0) -> tuple[
     tgt = torch.randint(0, 64, (8, 8), generator=g)
     i, k = _dp_coord(mesh, dp)
     n = idx.shape[0] // k
-    opt = torch.optim.SGD(model.parameters(), lr=0.5)
+    if mode == "tp_replica":  # data parallelism over the replica dim by the optimizer
+        from vescale.optim import DistributedOptimizer
+
+        opt = DistributedOptimizer(model, torch.optim.SGD, mesh=mesh, dp_dim="dp", lr=0.5)
+    else:
+        opt = torch.optim.SGD(model.parameters(), lr=0.5)
     _loss(model(idx[i * n : (i + 1) * n]), tgt[i * n : (i + 1) * n]).backward()
-    if mode == "tp_replica":  # the program's data parallelism over the replica dim
-        for p in model.parameters():
-            if p.grad is not None:
-                dist.all_reduce(p.grad.to_local(), op=dist.ReduceOp.AVG, group=mesh.get_group("dp"))
     opt.step()
     ref_opt = torch.optim.SGD(ref.parameters(), lr=0.5)
     _loss(ref(idx), tgt).backward()
@@ -160,3 +163,58 @@ def test_src_data_rank_picks_the_source(mode):
 @pytest.mark.parametrize("mode", ["fsdp", "hsdp", "ddp"])
 def test_src_data_rank_none_keeps_each_ranks_values(mode):
     run_on_ranks(_body, 4, mode, None, "parallelize_module")
+
+
+def _pipeline_body(src: int | None) -> None:
+    """pp=2 x dp=2 (FSDP per stage): every stage holds the source rank's values."""
+    rank = dist.get_rank()
+    torch.manual_seed(100 + rank)
+    model = GPT(_cfg(tie=False))  # a tied pair cannot span two stages
+    own = {n: p.detach().clone() for n, p in model.named_parameters()}
+    ref = _source_model(model, 0)  # (pp=0, dp=0): global rank 0
+    mesh = init_device_mesh("cpu", (2, 2), mesh_dim_names=("pp", "dp"))
+    g = torch.Generator().manual_seed(7)
+    idx = torch.randint(0, 64, (8, 8), generator=g)
+    tgt = torch.randint(0, 64, (8, 8), generator=g)
+    dp = mesh.get_local_rank("dp")
+    with CommDebugMode() as comm:
+        pp = pipeline_parallelize(
+            model,
+            mesh,
+            example_inputs=(idx[:4],),
+            loss_fn=_loss,
+            microbatches=2,
+            src_data_rank=src,
+            parallelize_fn=lambda m, sub: DModule(
+                m, sub, {}, data_parallel={"dp": "fsdp"}, src_data_rank=src
+            ),
+        )
+    names = [n for n, _ in pp.named_parameters()]
+    assert names
+    if src is None:
+        # each rank its own values (its dp slice of them), nothing sent
+        assert sum(comm.get_comm_bytes().values()) == 0, comm.get_comm_counts()
+        for n, p in pp.named_parameters():
+            local = p.to_local().detach().reshape(-1)
+            flat = own[n].reshape(-1)
+            assert any(
+                torch.equal(local, flat[a : a + local.numel()])
+                for a in range(flat.numel() - local.numel() + 1)
+            ), n
+        return
+    want = dict(ref.named_parameters())
+    for n, p in pp.named_parameters():
+        assert torch.equal(_full(p.detach()), want[n]), n
+    opt = torch.optim.SGD(pp.module.parameters(), lr=0.5)
+    pp.step(idx[dp * 4 : (dp + 1) * 4], target=tgt[dp * 4 : (dp + 1) * 4])
+    opt.step()
+    ref_opt = torch.optim.SGD(ref.parameters(), lr=0.5)
+    _loss(ref(idx), tgt).backward()
+    ref_opt.step()
+    for n, p in pp.named_parameters():
+        torch.testing.assert_close(_full(p.detach()), want[n].detach(), **TOL, msg=n)
+
+
+@pytest.mark.parametrize("src", [0, None])
+def test_pipeline_stages_take_the_source_ranks_values(src):
+    run_on_ranks(_pipeline_body, 4, src)

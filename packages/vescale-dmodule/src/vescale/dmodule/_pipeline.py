@@ -497,6 +497,7 @@ def pipeline_parallelize(
     split_points: Sequence[str] | None = None,
     stages_per_rank: int | None = None,
     parallelize_fn: Callable[[nn.Module, DeviceMesh | None], nn.Module | None] | None = None,
+    src_data_rank: int | None = 0,
 ) -> PipelineParallel:
     """Split ``model`` into pipeline stages over ``device_mesh[pp_dim]`` and build a schedule.
 
@@ -527,12 +528,24 @@ def pipeline_parallelize(
         parallelize_fn: ``fn(stage_module, submesh)`` called once per local stage
             before the pipeline is built, e.g.
             ``lambda m, mesh: DModule(m, mesh, plan, data_parallel={"dp": "fsdp"})``.
+        src_data_rank: The ``pp`` coordinate whose model values every stage takes:
+            before the split, that rank sends each other pipeline rank the parameters
+            and buffers of the stages it holds (point-to-point over the ``pp`` group,
+            about ``(pp-1)/pp`` of the model's bytes from the source, each rank
+            receiving only its stages; meta tensors are skipped). ``parallelize_fn``
+            then distributes within the submesh (``DModule``'s own ``src_data_rank``),
+            so ranks seeded differently train the source rank's model. ``None``:
+            each stage keeps the values of the rank that holds it (no communication).
 
     Returns:
         The `PipelineParallel` runner.
     """
     key = _schedule_key(schedule)
     schedule_cls, default_v = SCHEDULES[key]
+    if src_data_rank is not None and (
+        isinstance(src_data_rank, bool) or not isinstance(src_data_rank, int)
+    ):
+        raise TypeError(f"src_data_rank must be an int or None, got {src_data_rank!r}")
     v = default_v if stages_per_rank is None else int(stages_per_rank)
     if v < 1 or (key != "interleaved1f1b" and v != 1):
         raise ValueError(
@@ -552,6 +565,10 @@ def pipeline_parallelize(
             "(every micro-batch has the same shape)"
         )
     pp_rank, pp_size, pp_group, submesh = _mesh_parts(device_mesh, pp_dim)
+    if src_data_rank is not None and not 0 <= src_data_rank < pp_size:
+        raise ValueError(
+            f"src_data_rank={src_data_rank} is not a rank of the {pp_dim!r} dim (size {pp_size})"
+        )
     n = pp_size * v
     if key == "1f1b" and m < n:
         raise ValueError(
@@ -571,6 +588,8 @@ def pipeline_parallelize(
         points = list(split_points)
     points = check_split_points(model, points, trace, n)
     owner = stage_of_modules(model, points, trace)
+    if src_data_rank is not None:
+        _send_stage_values(model, owner, pp_rank, pp_size, pp_group, src_data_rank)
 
     out_leaves, _ = tree_flatten(trace.output)
     if not out_leaves or not all(isinstance(x, torch.Tensor) for x in out_leaves):
@@ -654,6 +673,46 @@ def pipeline_parallelize(
         submesh=submesh,
         rng=rng,
     )
+
+
+def _send_stage_values(
+    model: nn.Module,
+    owner: dict[str, int],
+    pp_rank: int,
+    pp_size: int,
+    pp_group: Any,
+    src: int,
+) -> None:
+    """Every pipeline rank's stages take the values of pp rank ``src``'s model.
+
+    Stage ``s`` lives on pp rank ``s % pp_size``; rank ``src`` sends it the tensors of
+    that stage's modules (``owner``: module name -> stage), the owner receives them in
+    place. Ranks neither ``src`` nor the owner take no part in a transfer.
+    """
+    if pp_size == 1:
+        return
+    ops: list[Any] = []
+    seen: set[int] = set()
+    for name, mod in model.named_modules(remove_duplicate=False):
+        s = owner.get(name)
+        if s is None or s % pp_size == src or pp_rank not in (src, s % pp_size):
+            continue
+        peer = dist.get_global_rank(pp_group, s % pp_size if pp_rank == src else src)
+        for t in [*mod.parameters(recurse=False), *mod.buffers(recurse=False)]:
+            if id(t) in seen or t.device.type == "meta":
+                continue
+            seen.add(id(t))
+            if not t.is_contiguous():
+                raise ValueError(
+                    f"pipeline_parallelize: {name}'s tensor of shape {tuple(t.shape)} is not "
+                    "contiguous; src_data_rank sends it in place (make it contiguous, or pass "
+                    "src_data_rank=None)"
+                )
+            op = dist.isend if pp_rank == src else dist.irecv
+            ops.append(dist.P2POp(op, t.detach(), peer, group=pp_group))
+    if ops:
+        for work in dist.batch_isend_irecv(ops):
+            work.wait()
 
 
 def _tensor_parallel_mesh(module: nn.Module) -> DeviceMesh | None:
