@@ -218,3 +218,26 @@ def _pipeline_body(src: int | None) -> None:
 @pytest.mark.parametrize("src", [0, None])
 def test_pipeline_stages_take_the_source_ranks_values(src):
     run_on_ranks(_pipeline_body, 4, src)
+
+
+def _bad_source() -> None:
+    from vescale.dmodule import fully_shard
+
+    mesh = init_device_mesh("cpu", (2, 2), mesh_dim_names=("rep", "shard"))
+    with CommDebugMode() as comm:
+        for bad in (2, -1, True):
+            with pytest.raises(ValueError, match=rf"src_data_rank={bad!r} is not a rank"):
+                parallelize_module(
+                    GPT(_cfg()),
+                    mesh,
+                    {},
+                    data_parallel={"rep": "ddp", "shard": "fsdp"},
+                    src_data_rank=bad,
+                )
+            with pytest.raises(ValueError, match=r"'shard'.*sizes \[2\]"):
+                fully_shard(GPT(_cfg()), mesh, "shard", src_data_rank=bad)
+    assert not comm.get_comm_counts() or not any(comm.get_comm_counts().values())
+
+
+def test_bad_src_data_rank_fails_before_any_collective():
+    run_on_ranks(_bad_source, 4)
