@@ -186,3 +186,27 @@ def test_constructor_validation():
         fb.all_gather(torch.zeros(2))
     with pytest.raises(KeyError, match="'nope'"):
         fb.local_view("nope")
+
+
+@distributed(4)
+def test_load_full_from_scatters_the_source_ranks_values():
+    """Every rank's shard holds the source rank's values (each rank has other ones), for
+    even and weighted (uneven) layouts, on a named dim of a 2-D mesh; a bad source is a
+    ValueError before any communication."""
+    mesh = init_device_mesh("cpu", (2, 2), mesh_dim_names=("a", "b"))
+    mine = _dense(seed=10 + dist.get_rank())
+    for weights in (None, [1.0, 3.0]):
+        for _dtype, layout in plan_flat_buffers(SPECS, 2, weights=weights).items():
+            fb = FlatBuffer(layout, mesh, "b")
+            for src in (0, 1):
+                fb.local.fill_(-100)
+                # the source on dim "b" shares this rank's coordinate on "a"
+                coord = mesh.get_coordinate()
+                want = _dense(seed=10 + mesh.mesh[coord[0], src].item())
+                fb.load_full_from(mine if fb.rank == src else None, src)
+                for name in layout.names:
+                    assert torch.equal(
+                        fb.local_view(name), layout.shard_of(name, want[name], fb.rank)
+                    ), (weights, src, name)
+            with pytest.raises(ValueError, match=r"src=2 is not in \[0, 2\)"):
+                fb.load_full_from(mine, 2)

@@ -249,7 +249,7 @@ def build_buffers(
             if src is None:
                 fb.load_full(own)
             else:
-                scatter_from_source(fb, own, placing, src, device)
+                scatter_from_source(fb, own, placing, src)
         compute = (
             mp.param_dtype if (mp.param_dtype is not None and dtype.is_floating_point) else dtype
         )
@@ -324,45 +324,22 @@ def scatter_from_source(
     tensors: dict[str, torch.Tensor],
     placing: Placing,
     src: int,
-    device: torch.device,
 ) -> None:
     """Fill ``fb``'s shard with the source rank's values.
 
     The rank at coordinate ``src`` of the sharded dim (on HSDP's replicate dim: of the
-    replicas at coordinate ``src``) lays its own ``tensors`` into one unsharded flat
-    buffer and scatters it, each rank receiving only its slice (one ``scatter``, the
-    slices padded to the longest for uneven layouts); HSDP then broadcasts each slice
+    replicas at coordinate ``src``) scatters its own ``tensors``
+    (`vescale.ragged.FlatBuffer.load_full_from`), each rank receiving only its slice;
+    HSDP then broadcasts each slice
     from replica ``src`` over the replicate dim. The source sends about the buffer's
     bytes once, every other rank receives its ``1/N``: a broadcast of the full model
     would send ``N`` times as much.
     """
-    layout = fb.layout
-    sizes = [b - a for a, b in layout.rank_ranges]
-    longest = max(sizes)
-    me = placing.rank
-    mesh = placing.mesh
-    rep = placing.replicate_dim
-    recv = torch.empty(longest, dtype=layout.dtype, device=device)
+    mesh, rep = placing.mesh, placing.replicate_dim
     if rep is None or mesh.get_local_rank(rep) == src:
-        chunks = None
-        if me == src:
-            full = torch.zeros(layout.numel, dtype=layout.dtype, device=device)
-            for name, view in fb.full_views(full).items():
-                view.copy_(tensors[name].reshape(view.shape))
-            if all(n == longest for n in sizes):
-                chunks = list(full.split(longest))  # the slices, in order (no copy)
-            else:
-                staged = torch.zeros(longest * len(sizes), dtype=layout.dtype, device=device)
-                for q, (a, b) in enumerate(layout.rank_ranges):
-                    staged[q * longest : q * longest + b - a].copy_(full[a:b])
-                chunks = list(staged.split(longest))
-        if len(sizes) == 1:
-            recv.copy_(chunks[0])
-        else:
-            dist.scatter(recv, chunks, group=mesh.get_group(placing.dp_dim), group_src=src)
+        fb.load_full_from(tensors, src)  # one scatter over the sharded dim
     if rep is not None and mesh.size(rep) > 1:
-        dist.broadcast(recv, group=mesh.get_group(rep), group_src=src)
-    fb.local.copy_(recv[: sizes[me]])
+        dist.broadcast(fb.local, group=mesh.get_group(rep), group_src=src)
 
 
 def assign_groups(group_modules, paths, params) -> dict[int, int]:

@@ -257,6 +257,51 @@ class FlatBuffer:
                 full = full.full_tensor()
             self.local_view(name).copy_(self.layout.shard_of(name, full, self.rank))
 
+    def load_full_from(self, tensors: Mapping[str, torch.Tensor] | None, src: int) -> None:
+        """Fill every rank's shard with the full parameters of the rank at ``src``.
+
+        The rank at coordinate ``src`` of the mesh dim lays ``tensors`` out in one
+        unsharded buffer and scatters it (one ``scatter``; uneven slices padded to the
+        longest): it sends the buffer's bytes once and every rank receives only its
+        slice, where a broadcast of the full parameters would send ``N`` times as much.
+        A collective over the mesh dim: every rank calls it.
+
+        Args:
+            tensors: ``name -> full tensor`` (plain tensors) on the source rank, every
+                name of the layout; ignored on the others (may be ``None``).
+            src: The source's coordinate on the mesh dim.
+
+        Raises:
+            ValueError: ``src`` is not a coordinate of the mesh dim (before any
+                communication).
+            KeyError: The source lacks a parameter of the layout.
+        """
+        sizes = self._slice_sizes
+        if isinstance(src, bool) or not isinstance(src, int) or not 0 <= src < len(sizes):
+            raise ValueError(f"load_full_from: src={src!r} is not in [0, {len(sizes)})")
+        if len(sizes) == 1:
+            self.load_full(tensors)
+            return
+        longest = max(sizes)
+        recv = torch.empty(longest, dtype=self.layout.dtype, device=self.local.device)
+        chunks = None
+        if self.rank == src:
+            missing = [n for n in self.layout.names if tensors is None or n not in tensors]
+            if missing:
+                raise KeyError(f"load_full_from: missing parameter {missing[0]!r}")
+            full = self.new_full_buffer(zero=True)
+            for name, view in self.full_views(full).items():
+                view.copy_(tensors[name].detach().reshape(view.shape))
+            if all(n == longest for n in sizes) and full.numel() == longest * len(sizes):
+                staged = full  # the slices are the buffer's consecutive pieces
+            else:
+                staged = full.new_zeros(longest * len(sizes))
+                for q, (a, b) in enumerate(self.layout.rank_ranges):
+                    staged[q * longest : q * longest + b - a].copy_(full[a:b])
+            chunks = list(staged.split(longest))  # the slices, in rank order (views)
+        dist.scatter(recv, chunks, src=self._src_rank(src), group=self._group)
+        self.local.copy_(recv[: sizes[self.rank]])
+
     # ------------------------------------------------------------------ unsharded
     def new_full_buffer(
         self,
