@@ -112,6 +112,35 @@ def test_distributed_optimizer_per_rank_data_matches_single_device():
     assert out.device_mesh == mesh["tp"], out.device_mesh
 
 
+@distributed(4)
+def test_user_loop_idioms_match_single_device():
+    """The loop as users write it: ``zero_grad()`` between forward and backward, the input
+    as a keyword argument, a frozen parameter, two accumulated micro-batches per step."""
+    from vescale.optim import DistributedOptimizer
+
+    mesh, model, ref, ids, mine = _setup()
+    for m in (model, ref):
+        m.embed_tokens.weight.requires_grad_(False)
+    eps = 1e-6
+    opt = DistributedOptimizer(model, torch.optim.AdamW, mesh=mesh, dp_dim="dp", lr=1e-2, eps=eps)
+    ref_opt = torch.optim.AdamW([p for p in ref.parameters() if p.requires_grad], lr=1e-2, eps=eps)
+    params = dict(model.named_parameters())
+    for _step in range(2):
+        for k, half in enumerate(mine.chunk(2)):  # accumulate two micro-batches
+            out = model(ids=half)
+            if k == 0:
+                opt.zero_grad()  # after the forward, before the backward
+            (_loss(out, half) / 2).backward()
+        opt.step()
+        ref_opt.zero_grad()
+        _loss(ref(ids), ids).backward()
+        ref_opt.step()
+    for name, p in ref.named_parameters():
+        assert params[name].requires_grad == p.requires_grad, name
+        torch.testing.assert_close(params[name].detach().full_tensor(), p.detach(), **TOL)
+    assert params["embed_tokens.weight"].grad is None
+
+
 @pytest.mark.parametrize("sp", [False, True])
 @distributed(4)
 def test_gradients_are_each_ranks_own(sp):
